@@ -1,0 +1,234 @@
+"""The `runner` command line: thin commands over the core. The only place errors become messages."""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from runner import __version__
+from runner.errors import RunnerError
+
+
+def reports_errors(fn):
+    """Turn the runner's own errors into one `Error: ...` line and the error's exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RunnerError as exc:
+            click.echo(f"Error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("Error: interrupted; finished rows are stored, rerun to resume", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+def _table(rows: list[tuple[str, object]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _fmt(v, digits: int = 2, pct: bool = False) -> str:
+    if v is None:
+        return "-"
+    if pct:
+        return f"{100 * v:.1f}%"
+    return f"{v:,.{digits}f}" if isinstance(v, float) else f"{v:,}"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="runner")
+def cli():
+    """Offline batch LLM extraction over Parquet documents, with vLLM, into SQLite.
+
+    \b
+    Example:
+      runner validate jobs/summarize.yaml
+      runner plan jobs/summarize.yaml
+      runner run jobs/summarize.yaml
+      runner stats --job jobs/summarize.yaml
+    """
+
+
+@cli.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--restart", is_flag=True, help="Delete this job's stored results and start over.")
+@click.option("--wait", is_flag=True, help="If the job is already running, wait for it instead of exiting.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary (for cron); errors still print.")
+@click.option("--engine", type=click.Choice(["vllm", "fake"]), default="vllm", hidden=True,
+              help="Test seam: the fake engine exercises the runner without generating.")
+@reports_errors
+def run(job, restart, wait, quiet, engine):
+    """Run JOB: generate an extraction for every input row and store it in SQLite.
+
+    Resumes by default: rows already stored for the job are skipped.
+
+    \b
+    Example:
+      runner run jobs/summarize.yaml
+      runner run --quiet jobs/summarize.yaml    # from cron
+    """
+    from runner.engines import build_engine
+    from runner.run import run_job
+    from runner.spec import load_job
+
+    spec = load_job(job)
+    progress = None
+    if not quiet:
+        from tqdm import tqdm
+
+        tty = sys.stderr.isatty()
+        progress = functools.partial(tqdm, desc=spec.name, unit="doc", file=sys.stderr, dynamic_ncols=True,
+                                     mininterval=0.5 if tty else 30.0, smoothing=0.1)
+    summary = run_job(spec, engine_factory=lambda j: build_engine(j, engine), restart=restart, wait=wait,
+                      progress_factory=(lambda total: progress(total=total)) if progress else None)
+    if quiet:
+        return
+    s = summary.stats
+    click.echo(f"Results: {summary.database} (run {summary.run_id})")
+    click.echo(_table([
+        ("rows", f"{s['rows_total']:,} run, {summary.rows_skipped:,} already done, {summary.rows_input:,} in input"),
+        ("status", ", ".join(f"{k} {v}" for k, v in summary.counts.items() if v) or "-"),
+        ("documents/s", _fmt(s["documents_per_s"])),
+        ("output tok/s", _fmt(s["output_tokens_per_s"], 1)),
+        ("prefix-cache hit rate", f"{_fmt(s['prefix_cache_hit_rate'], pct=True)} (plan bound {_fmt(s['plan_prefix_share'], pct=True)})"),
+        ("spec. acceptance", _fmt(s["spec_acceptance_rate"], pct=True)),
+        ("wall / generation", f"{s['wall_s']:.1f} s / {s['generation_s']:.1f} s"),
+    ]))
+
+
+@cli.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@reports_errors
+def validate(job):
+    """Check JOB without running it: the YAML, engine config, schema, input and model folder.
+
+    \b
+    Example:
+      runner validate jobs/summarize.yaml
+    """
+    from runner.inputs import scan_input
+    from runner.models import is_model_dir
+    from runner.spec import load_job
+
+    spec = load_job(job)
+    scan = scan_input(spec.input_path, spec.spec.input)
+    model = "ready" if is_model_dir(spec.model_path) else "MISSING (runner prepare-model)"
+    click.echo(f"OK: {job}")
+    click.echo(_table([
+        ("input", f"{scan.rows:,} rows in {len(scan.files)} file(s)"),
+        ("schema", str(spec.schema_path)),
+        ("engine config", str(spec.engine_config_path)),
+        ("model", f"{spec.model_path} [{model}]"),
+        ("database", str(spec.database_path)),
+    ]))
+
+
+@cli.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@reports_errors
+def plan(job):
+    """Show how JOB's rows group by system prompt, and the prefix-cache bound.
+
+    The share of prompt tokens that are a shared, cacheable prefix bounds the prefix-cache hit
+    rate a run can reach.
+
+    \b
+    Example:
+      runner plan jobs/summarize.yaml
+    """
+    from runner.errors import ModelError
+    from runner.inputs import iter_documents, scan_input
+    from runner.plan import summarize_plan
+    from runner.prompting import PromptBuilder
+    from runner.spec import load_job
+
+    spec = load_job(job)
+    scan_input(spec.input_path, spec.spec.input)
+    try:
+        builder = PromptBuilder(spec.model_path, spec.spec.prompts.user_template)
+    except ModelError:
+        builder = None
+    docs = iter_documents(spec.input_path, spec.spec.input, spec.system_prompt)
+    p = summarize_plan(docs, builder)
+    click.echo(f"{'group':<12}  {'rows':>7}  {'prompt tok':>11}  {'prefix tok':>10}  system prompt")
+    for g in p.groups:
+        click.echo(f"{g.key:<12}  {g.rows:>7,}  {g.prompt_tokens:>11,}  {g.prefix_tokens:>10,}  {g.preview}")
+    exact = "" if p.tokens_exact else " (estimated: model not prepared)"
+    click.echo(f"{len(p.groups)} groups, {p.rows:,} rows, {p.prompt_tokens:,} prompt tokens{exact}")
+    click.echo(f"shared-prefix share of prompt tokens (prefix-cache bound): {100 * p.prefix_share:.1f}%")
+
+
+@cli.command()
+@click.argument("run_id", required=False, type=int)
+@click.option("--job", "job", type=click.Path(dir_okay=False), help="Job file whose database to read.")
+@click.option("--db", "db", type=click.Path(dir_okay=False), help="Results database to read.")
+@click.option("--last", "last", default=1, show_default=True, help="How many recent runs to show.")
+@reports_errors
+def stats(run_id, job, db, last):
+    """Show the stats of run RUN_ID, or of the last runs of a job.
+
+    \b
+    Example:
+      runner stats --job jobs/summarize.yaml --last 5
+      runner stats 3 --db out/summarize.sqlite
+    """
+    from runner.errors import SpecError, StoreError
+    from runner.store import Store
+
+    job_name = None
+    if job:
+        from runner.spec import load_job
+
+        spec = load_job(job)
+        db, job_name = spec.database_path, spec.name
+    if not db:
+        raise SpecError("give --job JOB or --db DATABASE")
+    if not Path(db).is_file():
+        raise StoreError(f"{db}: no results database here yet")
+    store = Store(db)
+    runs = [store.run(run_id)] if run_id is not None else store.latest_runs(job_name, last)
+    if not runs or runs[0] is None:
+        raise StoreError(f"{db}: no run {run_id}" if run_id is not None else f"{db}: no runs yet")
+    for r in runs:
+        s = store.stats(r["id"]) or {}
+        counts = store.result_counts(r["id"])
+        click.echo(f"run {r['id']}  {r['job_name']}  {r['status']}  started {r['started_at_utc']}")
+        click.echo(_table([
+            ("rows by status", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"),
+            ("documents/s", _fmt(s.get("documents_per_s"))),
+            ("output / total tok/s", f"{_fmt(s.get('output_tokens_per_s'), 1)} / {_fmt(s.get('total_tokens_per_s'), 1)}"),
+            ("prefix-cache hit rate", f"{_fmt(s.get('prefix_cache_hit_rate'), pct=True)} (plan bound {_fmt(s.get('plan_prefix_share'), pct=True)})"),
+            ("spec. acceptance", _fmt(s.get("spec_acceptance_rate"), pct=True)),
+            ("wall / generation s", f"{_fmt(s.get('wall_s'), 1)} / {_fmt(s.get('generation_s'), 1)}"),
+            ("engine", f"{r['engine_backend'] or '-'} {r['engine_version'] or ''} {r['engine_settings_json'] or ''}"),
+        ] + ([("error", r["error"])] if r["error"] else [])))
+
+
+@cli.command("prepare-model")
+@click.option("--force", is_flag=True, help="Convert again even if the folder exists.")
+@reports_errors
+def prepare_model(force):
+    """Convert the embedded default model (SmolLM2-135M-Instruct GGUF) into the runner's cache, once.
+
+    \b
+    Example:
+      runner prepare-model
+    """
+    from runner.models import prepare_builtin_model
+
+    path, converted = prepare_builtin_model(force=force)
+    click.echo(f"{'Converted' if converted else 'Already prepared'}: {path}")
+
+
+def main():  # console-script entry point; the guard matters for vLLM's spawned workers
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""Generation backends behind one seam (see base.Engine)."""
+from __future__ import annotations
+
+from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
+
+__all__ = ["Completion", "Engine", "EngineCounters", "EngineInfo", "Request", "build_engine"]
+
+
+def build_engine(job, kind: str = "vllm") -> Engine:
+    """The engine a job runs on: `vllm` (real), or `fake` (tests of the runner's own logic)."""
+    if kind == "fake":
+        from runner.engines.fake import FakeEngine
+
+        return FakeEngine(job.output_schema)
+    from runner.engines.vllm_engine import VllmEngine
+
+    return VllmEngine(job.engine, job.model_path, job.spec.sampling, job.output_schema)

@@ -1,0 +1,87 @@
+"""A deterministic stand-in engine for tests of the runner's own logic (never for generation).
+
+It answers each request with `respond(request)` or, by default, a minimal instance of the job's
+JSON schema, and imitates a block-granular prefix cache so that the runner's stats have numbers.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable, Iterable, Iterator, Optional
+
+from runner.engines.base import Completion, EngineCounters, EngineInfo, Request
+from runner.plan import BLOCK_TOKENS
+
+
+def example_for_schema(schema: dict, seed: str = "") -> object:
+    """A small value that satisfies simple JSON Schemas (objects, arrays, enums, scalars)."""
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][len(seed) % len(schema["enum"])]
+    kind = schema.get("type", "object")
+    if isinstance(kind, list):
+        kind = kind[0]
+    if kind == "object":
+        props = schema.get("properties", {})
+        return {k: example_for_schema(props.get(k, {}), seed) for k in schema.get("required", list(props))}
+    if kind == "array":
+        n = max(schema.get("minItems", 1), 1)
+        return [example_for_schema(schema.get("items", {"type": "string"}), seed) for _ in range(n)]
+    if kind == "integer":
+        return int(schema.get("minimum", 1))
+    if kind == "number":
+        return float(schema.get("minimum", 0.5))
+    if kind == "boolean":
+        return True
+    if kind == "null":
+        return None
+    text = f"fake {seed}".strip()
+    return text[: schema.get("maxLength", len(text))].ljust(schema.get("minLength", 0), "x")
+
+
+class FakeEngine:
+    def __init__(self, schema: dict, respond: Optional[Callable[[Request], str]] = None,
+                 delay_s: float = 0.0, finish_reason: Callable[[Request], str] = lambda r: "stop"):
+        self.schema = schema
+        self.respond = respond or (lambda r: json.dumps(example_for_schema(schema, r.row_id)))
+        self.delay_s = delay_s
+        self.finish_reason = finish_reason
+        self._totals = EngineCounters()
+        self._prefixes: dict[str, list[int]] = {}
+        self.seen: list[Request] = []
+        self.info = EngineInfo(backend="fake", version="0", settings={"delay_s": delay_s})
+
+    def _cached(self, req: Request) -> int:
+        first = self._prefixes.setdefault(req.group_key, req.prompt_token_ids)
+        if first is req.prompt_token_ids:
+            return 0
+        n = 0
+        for a, b in zip(first, req.prompt_token_ids):
+            if a != b:
+                break
+            n += 1
+        return min(n // BLOCK_TOKENS * BLOCK_TOKENS, len(req.prompt_token_ids) - 1)
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
+        for req in requests:
+            self.seen.append(req)
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            text = self.respond(req)
+            tokens = max(1, len(text) // 4)
+            cached = self._cached(req)
+            t = self._totals
+            t.prompt_tokens += len(req.prompt_token_ids)
+            t.generation_tokens += tokens
+            t.prefix_cache_queries += len(req.prompt_token_ids)
+            t.prefix_cache_hits += cached
+            yield Completion(row_id=req.row_id, text=text, finish_reason=self.finish_reason(req),
+                             prompt_tokens=len(req.prompt_token_ids), completion_tokens=tokens,
+                             cached_prompt_tokens=cached, latency_ms=self.delay_s * 1000)
+
+    def counters(self) -> EngineCounters:
+        return EngineCounters(**vars(self._totals))
+
+    def close(self) -> None:
+        pass

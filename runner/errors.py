@@ -1,0 +1,47 @@
+"""The runner's own error types. Core code raises these; only the CLI turns them into messages.
+
+Each class carries the process exit code the CLI uses for it (documented in the README).
+"""
+from __future__ import annotations
+
+
+class RunnerError(Exception):
+    """Base of every error the runner reports to a user as one `Error: ...` line."""
+
+    exit_code = 1
+
+
+class SpecError(RunnerError):
+    """A job file, config or schema is invalid: names the file and the field."""
+
+    exit_code = 2
+
+
+class InputError(RunnerError):
+    """The input Parquet is missing, unreadable, or its rows break the job's contract."""
+
+    exit_code = 3
+
+
+class ModelError(RunnerError):
+    """The model folder is missing or cannot be prepared."""
+
+    exit_code = 4
+
+
+class EngineError(RunnerError):
+    """The generation engine failed to start or died."""
+
+    exit_code = 5
+
+
+class StoreError(RunnerError):
+    """The SQLite store cannot be opened or written."""
+
+    exit_code = 6
+
+
+class LockedError(RunnerError):
+    """Another run of the same job holds the lock."""
+
+    exit_code = 75  # EX_TEMPFAIL: cron wrappers treat it as "try later"

@@ -1,0 +1,167 @@
+"""Reading the job's Parquet input as a stream of Documents, in bounded memory.
+
+`scan_input` checks the whole input before a run starts (columns, types, nulls, duplicate ids,
+UTF-8), so that bad data stops the run before anything is written. `iter_documents` then
+streams record batches of only the needed columns.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from runner.errors import InputError
+from runner.prompting import Document
+from runner.spec import InputSpec
+
+
+@dataclass
+class InputScan:
+    """What a pre-scan of the input found."""
+
+    files: list[str]
+    rows: int  # after the job's limit
+    ids: set[str]
+
+
+def input_files(path: str) -> list[str]:
+    """The Parquet files a job's input path names: a file, a folder of .parquet files, or a glob."""
+    if any(ch in path for ch in "*?["):
+        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+    elif os.path.isdir(path):
+        files = sorted(str(p) for p in Path(path).rglob("*.parquet"))
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise InputError(f"{path}: input file not found")
+    if not files:
+        raise InputError(f"{path}: no Parquet files match")
+    return files
+
+
+def _open(file: str):
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(file)
+    except PermissionError:
+        raise InputError(f"{file}: cannot read input (permission denied)") from None
+    except OSError as exc:
+        raise InputError(f"{file}: not a readable Parquet file ({exc})") from None
+    except Exception as exc:  # pyarrow raises ArrowInvalid and others for corrupt files
+        raise InputError(f"{file}: corrupt Parquet file ({exc.__class__.__name__}: {exc})") from None
+
+
+def needed_columns(spec: InputSpec) -> list[str]:
+    cols = [spec.id_column, spec.text_column]
+    if spec.system_prompt_column:
+        cols.append(spec.system_prompt_column)
+    return cols + [c for c in spec.extra_columns if c not in cols]
+
+
+def _batches(files: list[str], spec: InputSpec, columns: list[str]):
+    """Record batches of `columns` over all files, honouring the row limit."""
+    import pyarrow as pa
+
+    left = spec.limit
+    for file in files:
+        pf = _open(file)
+        names = set(pf.schema_arrow.names)
+        for col, field in [(spec.id_column, "id_column"), (spec.text_column, "text_column"),
+                           (spec.system_prompt_column, "system_prompt_column")] + \
+                          [(c, "extra_columns") for c in spec.extra_columns]:
+            if col and col not in names:
+                raise InputError(f"{file}: column {col!r} (input.{field}) not found; columns are {sorted(names)}")
+        try:
+            for batch in pf.iter_batches(batch_size=spec.batch_rows, columns=columns):
+                if left is not None:
+                    if left <= 0:
+                        return
+                    batch = batch.slice(0, left)
+                    left -= batch.num_rows
+                yield file, batch
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(f"{file}: corrupt Parquet data ({exc})") from None
+        if left is not None and left <= 0:
+            return
+
+
+def _text_column(file: str, batch, name: str, field: str):
+    """A column as valid UTF-8 strings, or an InputError naming the file and column."""
+    import pyarrow as pa
+
+    arr = batch.column(name)
+    if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type):
+        try:
+            arr = arr.cast(pa.string())
+        except pa.ArrowInvalid:
+            raise InputError(f"{file}: column {name!r} ({field}) holds bytes that are not UTF-8 text") from None
+    elif not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+        raise InputError(f"{file}: column {name!r} ({field}) must hold text, not {arr.type}")
+    try:
+        arr.validate(full=True)
+    except pa.ArrowInvalid:
+        raise InputError(f"{file}: column {name!r} ({field}) holds bytes that are not UTF-8 text") from None
+    return arr
+
+
+def _id_column(file: str, batch, name: str):
+    import pyarrow as pa
+
+    arr = batch.column(name)
+    if not (pa.types.is_integer(arr.type) or pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+        raise InputError(f"{file}: column {name!r} (input.id_column) must hold integers or text, not {arr.type}")
+    return arr.cast(pa.string())
+
+
+def scan_input(input_path: str, spec: InputSpec) -> InputScan:
+    """Check the whole input once before a run: raises InputError on the first problem."""
+    files = input_files(input_path)
+    cols = [spec.id_column, spec.text_column] + ([spec.system_prompt_column] if spec.system_prompt_column else [])
+    seen: set[str] = set()
+    rows = 0
+    for file, batch in _batches(files, spec, cols):
+        ids = _id_column(file, batch, spec.id_column)
+        texts = _text_column(file, batch, spec.text_column, "input.text_column")
+        if ids.null_count:
+            raise InputError(f"{file}: column {spec.id_column!r} (input.id_column) has {ids.null_count} null ids")
+        if texts.null_count:
+            first = ids[texts.is_null().to_pylist().index(True)].as_py()
+            raise InputError(
+                f"{file}: column {spec.text_column!r} (input.text_column) is null in {texts.null_count} rows, "
+                f"first at id {first!r}"
+            )
+        if spec.system_prompt_column:
+            sp = _text_column(file, batch, spec.system_prompt_column, "input.system_prompt_column")
+            if sp.null_count:
+                raise InputError(f"{file}: column {spec.system_prompt_column!r} has {sp.null_count} null system prompts")
+        for rid in ids.to_pylist():
+            if rid in seen:
+                raise InputError(f"{file}: duplicate id {rid!r} in column {spec.id_column!r} (input.id_column)")
+            seen.add(rid)
+        rows += batch.num_rows
+    if rows == 0:
+        raise InputError(f"{input_path}: the input has no rows")
+    return InputScan(files=files, rows=rows, ids=seen)
+
+
+def iter_documents(input_path: str, spec: InputSpec, system_prompt: str | None) -> Iterator[Document]:
+    """Stream the input as Documents, one record batch in memory at a time."""
+    files = input_files(input_path)
+    for file, batch in _batches(files, spec, needed_columns(spec)):
+        ids = _id_column(file, batch, spec.id_column).to_pylist()
+        texts = _text_column(file, batch, spec.text_column, "input.text_column").to_pylist()
+        if spec.system_prompt_column:
+            systems = _text_column(file, batch, spec.system_prompt_column, "input.system_prompt_column").to_pylist()
+        else:
+            systems = [system_prompt] * len(ids)
+        extras = {c: batch.column(c).to_pylist() for c in spec.extra_columns}
+        for i, rid in enumerate(ids):
+            yield Document(
+                row_id=rid,
+                text=texts[i],
+                system_prompt=systems[i],
+                fields={c: ("" if v[i] is None else v[i]) for c, v in extras.items()},
+            )

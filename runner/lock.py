@@ -1,0 +1,48 @@
+"""One run of a job at a time, per results database.
+
+An advisory `flock` on a file beside the database: the kernel drops it when the holder dies,
+even by SIGKILL, so a crashed run never leaves a stale lock behind.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from pathlib import Path
+
+from runner.errors import LockedError
+
+
+class JobLock:
+    def __init__(self, database: Path, job_name: str, wait: bool = False, poll_s: float = 0.5):
+        self.path = Path(f"{database}.{job_name}.lock")
+        self.wait = wait
+        self.poll_s = poll_s
+        self._fd: int | None = None
+
+    def __enter__(self) -> "JobLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not self.wait:
+                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+                    os.close(fd)
+                    raise LockedError(
+                        f"{self.path}: job is already running (pid {holder}); use --wait to wait for it"
+                    ) from None
+                time.sleep(self.poll_s)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None

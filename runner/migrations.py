@@ -1,0 +1,107 @@
+"""The SQLite schema, as numbered migrations applied in order and recorded in `_migrations`.
+
+Add a new `mNNN_...` function at the end of MIGRATIONS; never edit one that has shipped.
+Column names carry units: *_ms, *_s, *_tokens, *_at_utc, *_json.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import Connection, text
+
+
+def m001_initial(conn: Connection) -> None:
+    conn.exec_driver_sql("""
+        CREATE TABLE runs (
+            id INTEGER PRIMARY KEY,
+            job_name TEXT NOT NULL,
+            job_path TEXT NOT NULL,
+            config_json TEXT NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('running', 'completed', 'failed', 'interrupted')),
+            started_at_utc TEXT NOT NULL,
+            ended_at_utc TEXT,
+            error TEXT,
+            runner_version TEXT NOT NULL,
+            engine_backend TEXT,
+            engine_version TEXT,
+            engine_settings_json TEXT,
+            host TEXT,
+            pid INTEGER
+        )""")
+    conn.exec_driver_sql("CREATE INDEX runs_job ON runs (job_name, id)")
+    conn.exec_driver_sql("""
+        CREATE TABLE results (
+            id INTEGER PRIMARY KEY,
+            run_id INTEGER NOT NULL REFERENCES runs (id),
+            job_name TEXT NOT NULL,
+            row_id TEXT NOT NULL,
+            group_key TEXT NOT NULL,
+            status TEXT NOT NULL,
+            extraction_json TEXT,
+            output_text TEXT,
+            error TEXT,
+            prompt_tokens INTEGER NOT NULL,
+            completion_tokens INTEGER NOT NULL,
+            cached_prompt_tokens INTEGER NOT NULL,
+            finish_reason TEXT,
+            latency_ms REAL NOT NULL,
+            preemptions INTEGER NOT NULL DEFAULT 0,
+            attempts INTEGER NOT NULL DEFAULT 1,
+            first_status TEXT,  -- status of the first attempt when the row was retried
+            created_at_utc TEXT NOT NULL,
+            -- One stored result per input row of a job: resume and retried deliveries upsert.
+            UNIQUE (job_name, row_id)
+        )""")
+    conn.exec_driver_sql("CREATE INDEX results_run ON results (run_id, status)")
+    conn.exec_driver_sql("""
+        CREATE TABLE run_stats (
+            run_id INTEGER PRIMARY KEY REFERENCES runs (id),
+            rows_total INTEGER NOT NULL,
+            rows_skipped INTEGER NOT NULL,
+            rows_ok INTEGER NOT NULL,
+            rows_truncated INTEGER NOT NULL,
+            rows_invalid_json INTEGER NOT NULL,
+            rows_schema_mismatch INTEGER NOT NULL,
+            rows_failed INTEGER NOT NULL,
+            prompt_tokens INTEGER NOT NULL,
+            completion_tokens INTEGER NOT NULL,
+            cached_prompt_tokens INTEGER NOT NULL,
+            wall_s REAL NOT NULL,
+            engine_load_s REAL NOT NULL,
+            generation_s REAL NOT NULL,
+            documents_per_s REAL NOT NULL,
+            output_tokens_per_s REAL NOT NULL,
+            total_tokens_per_s REAL NOT NULL,
+            prefix_cache_queries INTEGER NOT NULL,
+            prefix_cache_hits INTEGER NOT NULL,
+            prefix_cache_hit_rate REAL,
+            plan_prefix_share REAL,
+            spec_drafts INTEGER NOT NULL,
+            spec_draft_tokens INTEGER NOT NULL,
+            spec_accepted_tokens INTEGER NOT NULL,
+            spec_acceptance_rate REAL,
+            preemptions INTEGER NOT NULL,
+            created_at_utc TEXT NOT NULL
+        )""")
+
+
+MIGRATIONS = [m001_initial]
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def migrate(conn: Connection) -> list[str]:
+    """Apply the migrations this database lacks, in order. Returns the names applied."""
+    conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at_utc TEXT NOT NULL)")
+    done = {r[0] for r in conn.exec_driver_sql("SELECT name FROM _migrations")}
+    applied = []
+    for fn in MIGRATIONS:
+        if fn.__name__ in done:
+            continue
+        fn(conn)
+        conn.execute(text("INSERT INTO _migrations (name, applied_at_utc) VALUES (:n, :t)"),
+                     {"n": fn.__name__, "t": utc_now()})
+        applied.append(fn.__name__)
+    return applied

@@ -1,0 +1,98 @@
+"""Turning a document into the exact prompt tokens the engine sees.
+
+The planner and the engine share this code so that the plan's token counts are the real ones.
+It uses the `tokenizers` library and the model's own Jinja chat template directly, which loads
+in milliseconds (transformers would cost seconds on every `runner plan`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Optional
+
+from runner.errors import ModelError
+
+
+@dataclass(frozen=True)
+class Document:
+    """One input row, as the job sees it."""
+
+    row_id: str
+    text: str
+    system_prompt: Optional[str]
+    fields: dict
+
+
+class PromptBuilder:
+    """Renders (system, user) with the model's chat template and counts tokens."""
+
+    def __init__(self, model_dir: Path, user_template: str = "{text}"):
+        self.model_dir = Path(model_dir)
+        self.user_template = user_template
+        tok_file = self.model_dir / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ModelError(f"{self.model_dir}: no tokenizer.json (is the model prepared? run: runner prepare-model)")
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(tok_file))
+        cfg_file = self.model_dir / "tokenizer_config.json"
+        self._tok_cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+
+    @cached_property
+    def _template(self):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        jinja_file = self.model_dir / "chat_template.jinja"
+        source = jinja_file.read_text() if jinja_file.is_file() else self._tok_cfg.get("chat_template")
+        if not source:
+            raise ModelError(f"{self.model_dir}: the tokenizer has no chat template")
+        # The same environment transformers uses for apply_chat_template.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise
+        return env.from_string(source)
+
+    def user_text(self, doc: Document) -> str:
+        return self.user_template.format_map({**doc.fields, "text": doc.text})
+
+    def render(self, system: Optional[str], user: str) -> str:
+        """The prompt text, ending where the assistant's answer starts."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=_special(self._tok_cfg.get("bos_token")),
+            eos_token=_special(self._tok_cfg.get("eos_token")),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        # The template already wrote the special tokens; adding more would break prefix sharing.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def system_prefix_tokens(self, system: Optional[str]) -> int:
+        """Tokens every prompt with this system prompt shares (the cacheable prefix)."""
+        a = self.encode(self.render(system, "a"))
+        b = self.encode(self.render(system, "b"))
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n
+
+
+def _special(tok) -> str:
+    if isinstance(tok, dict):  # older tokenizer_config files store AddedToken dicts
+        return tok.get("content", "")
+    return tok or ""
+
+
+def _raise(msg: str):
+    raise ModelError(f"chat template: {msg}")

@@ -1,0 +1,232 @@
+"""The run loop: job spec → plan (groups, order) → engine → checked results → store.
+
+Rows already stored for the job are skipped (resume). Results are committed every
+`output.commit_every_rows` rows in one transaction; a kill loses at most the batch in flight.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Protocol
+
+from runner.engines import Completion, Engine, EngineCounters, Request, build_engine
+from runner.errors import RunnerError
+from runner.inputs import iter_documents, scan_input
+from runner.lock import JobLock
+from runner.outputs import FAILED, OK, STATUSES, OutputChecker
+from runner.plan import Group, GroupSummary, PlanSummary, plan_stream
+from runner.prompting import Document, PromptBuilder
+from runner.spec import Job
+from runner.store import Store
+
+
+class Progress(Protocol):
+    def update(self, n: int = 1) -> object: ...
+
+
+@dataclass
+class RunSummary:
+    run_id: int
+    database: str
+    rows_input: int
+    rows_skipped: int
+    counts: dict[str, int]
+    stats: dict
+
+
+class Interrupted(RunnerError):
+    """The run was stopped by SIGTERM or Ctrl-C; what finished is stored."""
+
+    exit_code = 130
+
+
+def _raise_interrupted(signum, _frame):
+    raise Interrupted(f"stopped by signal {signal.Signals(signum).name}; finished rows are stored, rerun to resume")
+
+
+class RequestBuilder:
+    """Documents → engine Requests, with the prompt-length rule applied."""
+
+    def __init__(self, job: Job, builder: PromptBuilder):
+        self.job, self.builder = job, builder
+        self.max_len = job.engine.max_model_len
+        self.max_tokens = job.spec.sampling.max_tokens
+        self.groups: dict[str, GroupSummary] = {}  # what was planned, for the prefix-share bound
+
+    def plan(self) -> PlanSummary:
+        return PlanSummary(list(self.groups.values()), tokens_exact=True)
+
+    def build(self, group: Group, doc: Document) -> Request | Completion:
+        b = self.builder
+        ids = b.encode(b.render(group.system_prompt, b.user_text(doc)))
+        g = self.groups.get(group.key)
+        if g is None:
+            g = self.groups[group.key] = GroupSummary(group.key, "", prefix_tokens=b.system_prefix_tokens(group.system_prompt))
+        g.rows += 1
+        g.prompt_tokens += len(ids)
+        over = len(ids) + self.max_tokens - self.max_len
+        if over > 0 and self.job.spec.input.on_too_long == "truncate":
+            text_ids = b.encode(doc.text)
+            cut = Document(doc.row_id, b.decode(text_ids[: max(len(text_ids) - over - 8, 0)]), doc.system_prompt, doc.fields)
+            ids = b.encode(b.render(group.system_prompt, b.user_text(cut)))
+            over = len(ids) + self.max_tokens - self.max_len
+        if over > 0:
+            return Completion(doc.row_id, prompt_tokens=len(ids), error=(
+                f"prompt is {len(ids)} tokens; with max_tokens={self.max_tokens} it exceeds "
+                f"max_model_len={self.max_len} (set input.on_too_long: truncate to cut the document)"))
+        return Request(doc.row_id, group.key, ids, self.max_tokens)
+
+
+def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine, restart: bool = False,
+            wait: bool = False, progress_factory: Optional[Callable[[int], Progress]] = None) -> RunSummary:
+    """Run a job to completion (or resume it). Raises RunnerError subclasses; never prints."""
+    store = Store(job.database_path)
+    with JobLock(job.database_path, job.name, wait=wait):
+        scan = scan_input(job.input_path, job.spec.input)  # bad input stops here, before any write
+        builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
+        if restart:
+            store.delete_results(job.name)
+        store.mark_abandoned_runs(job.name)
+        done = store.done_row_ids(job.name)
+        skipped = len(scan.ids & done)
+        run_id = store.begin_run(job.name, str(job.path), job.snapshot())
+        old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM,)}
+        try:
+            summary = _execute(job, store, run_id, engine_factory, builder, done, scan.rows - skipped, skipped,
+                               progress_factory)
+        except BaseException as exc:
+            status = "interrupted" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else "failed"
+            store.finish_run(run_id, status, error=str(exc) or exc.__class__.__name__)
+            raise
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        summary.rows_input, summary.rows_skipped = scan.rows, skipped
+        return summary
+
+
+def _execute(job, store, run_id, engine_factory, builder, done, todo, skipped, progress_factory) -> RunSummary:
+    t_start = time.perf_counter()
+    engine = engine_factory(job)
+    progress = progress_factory(todo) if progress_factory else None
+    try:
+        store.set_engine(run_id, engine.info.backend, engine.info.version, engine.info.settings)
+        t_ready = time.perf_counter()
+        before = engine.counters()
+        loop = _Loop(job, store, run_id, RequestBuilder(job, builder), progress)
+        docs = iter_documents(job.input_path, job.spec.input, job.system_prompt)
+        source: Iterator[Request] = loop.requests(plan_stream(docs, job.spec.plan_window_rows, done))
+        try:
+            while True:
+                for c in engine.generate(source):
+                    loop.finish(c)
+                loop.drain_immediate()
+                if not loop.retries:
+                    break
+                source = loop.pop_retries()
+        finally:
+            loop.flush()  # rows that finished before a failure or a signal are kept
+        t_end = time.perf_counter()
+        used = engine.counters() - before
+    finally:
+        engine.close()
+        if progress is not None and hasattr(progress, "close"):
+            progress.close()
+    stats = build_stats(loop.counts, loop.tokens, used, t_end - t_start, t_ready - t_start, t_end - t_ready,
+                        loop.rb.plan().prefix_share, skipped)
+    store.finish_run(run_id, "completed", stats=stats)
+    return RunSummary(run_id, str(job.database_path), 0, 0, dict(loop.counts), stats)
+
+
+class _Loop:
+    """State of one pass: in-flight requests, retries, the commit buffer and counts."""
+
+    def __init__(self, job: Job, store: Store, run_id: int, requests: RequestBuilder, progress):
+        self.job, self.store, self.run_id, self.rb, self.progress = job, store, run_id, requests, progress
+        self.checker = OutputChecker(job.output_schema)
+        self.inflight: dict[str, tuple[Request, int, Optional[str]]] = {}  # row -> (request, attempt, first status)
+        self.immediate: deque[tuple[Completion, str]] = deque()
+        self.retries: deque[Request] = deque()
+        self.buffer: list[dict] = []
+        self.counts = {s: 0 for s in STATUSES}
+        self.tokens = {"prompt": 0, "completion": 0, "cached": 0}
+
+    def requests(self, groups) -> Iterator[Request]:
+        for group in groups:
+            for doc in group.docs:
+                r = self.rb.build(group, doc)
+                if isinstance(r, Completion):
+                    self.immediate.append((r, group.key))
+                    continue
+                self.inflight[r.row_id] = (r, 1, None)
+                yield r
+            self.drain_immediate()
+
+    def pop_retries(self) -> Iterator[Request]:
+        while self.retries:
+            yield self.retries.popleft()
+
+    def drain_immediate(self) -> None:
+        while self.immediate:
+            c, key = self.immediate.popleft()
+            self._store(c, key, FAILED, None, c.error, 1, None)
+
+    def finish(self, c: Completion) -> None:
+        req, attempt, first = self.inflight.pop(c.row_id)
+        checked = self.checker.check(c, req.max_tokens)
+        retry_budget = self.job.spec.sampling.retry_max_tokens
+        if checked.status not in (OK, FAILED) and retry_budget and attempt == 1:
+            again = Request(req.row_id, req.group_key, req.prompt_token_ids, max(retry_budget, req.max_tokens))
+            self.inflight[req.row_id] = (again, 2, checked.status)
+            self.retries.append(again)
+            return
+        self._store(c, req.group_key, checked.status, checked.extraction_json, checked.error, attempt, first)
+
+    def _store(self, c: Completion, group_key, status, extraction, error, attempts, first_status) -> None:
+        self.buffer.append(dict(
+            run_id=self.run_id, job_name=self.job.name, row_id=c.row_id, group_key=group_key, status=status,
+            extraction_json=extraction, output_text=c.text, error=error, prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.completion_tokens, cached_prompt_tokens=c.cached_prompt_tokens,
+            finish_reason=c.finish_reason, latency_ms=round(c.latency_ms, 3), preemptions=c.preemptions,
+            attempts=attempts, first_status=first_status))
+        self.counts[status] += 1
+        self.tokens["prompt"] += c.prompt_tokens
+        self.tokens["completion"] += c.completion_tokens
+        self.tokens["cached"] += c.cached_prompt_tokens
+        if len(self.buffer) >= self.job.spec.output.commit_every_rows:
+            self.flush()
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def flush(self) -> None:
+        self.store.write_results(self.buffer)
+        self.buffer = []
+
+
+def _rate(num: float, den: float) -> Optional[float]:
+    return num / den if den else None
+
+
+def build_stats(counts: dict, tokens: dict, used: EngineCounters, wall_s: float, load_s: float,
+                gen_s: float, plan_share: Optional[float], skipped: int) -> dict:
+    """The run_stats row: rates are per second of generation (engine start excluded)."""
+    rows = sum(counts.values())
+    return dict(
+        rows_total=rows, rows_skipped=skipped,
+        rows_ok=counts["ok"], rows_truncated=counts["truncated"], rows_invalid_json=counts["invalid_json"],
+        rows_schema_mismatch=counts["schema_mismatch"], rows_failed=counts["failed"],
+        prompt_tokens=tokens["prompt"], completion_tokens=tokens["completion"], cached_prompt_tokens=tokens["cached"],
+        wall_s=round(wall_s, 3), engine_load_s=round(load_s, 3), generation_s=round(gen_s, 3),
+        documents_per_s=_rate(rows, gen_s) or 0.0,
+        output_tokens_per_s=_rate(tokens["completion"], gen_s) or 0.0,
+        total_tokens_per_s=_rate(tokens["prompt"] + tokens["completion"], gen_s) or 0.0,
+        prefix_cache_queries=used.prefix_cache_queries, prefix_cache_hits=used.prefix_cache_hits,
+        prefix_cache_hit_rate=_rate(used.prefix_cache_hits, used.prefix_cache_queries),
+        plan_prefix_share=plan_share,
+        spec_drafts=used.spec_drafts, spec_draft_tokens=used.spec_draft_tokens,
+        spec_accepted_tokens=used.spec_accepted_tokens,
+        spec_acceptance_rate=_rate(used.spec_accepted_tokens, used.spec_draft_tokens),
+        preemptions=used.preemptions,
+    )

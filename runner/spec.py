@@ -1,0 +1,281 @@
+"""Typed job specification: the YAML job file, its engine config and its output schema.
+
+Raw dicts stop here: `load_job(path)` returns a `Job` whose paths are resolved and whose schema
+is loaded and checked. Every problem becomes one SpecError naming the file and the field.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import string
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+
+from runner.errors import SpecError
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InputSpec(Strict):
+    path: str = Field(description="Parquet file, folder or glob, relative to the job file")
+    id_column: str
+    text_column: str
+    system_prompt_column: Optional[str] = None
+    extra_columns: list[str] = []
+    limit: Optional[int] = Field(default=None, ge=1)
+    batch_rows: int = Field(default=1024, ge=1, description="rows per Parquet record batch read")
+    on_too_long: Literal["fail", "truncate"] = "fail"
+
+
+class PromptSpec(Strict):
+    system: Optional[str] = None
+    system_file: Optional[str] = None
+    user_template: str = "{text}"
+
+
+class SpeculativeSpec(BaseModel):
+    """Passed through to vLLM's speculative_config; `method` is required, other keys are vLLM's."""
+
+    model_config = ConfigDict(extra="allow")
+    method: str
+    num_speculative_tokens: int = Field(ge=1)
+
+
+class EngineConfig(Strict):
+    model: str = Field(description="model folder (relative to the config file) or builtin:NAME")
+    dtype: str = "auto"
+    max_model_len: int = Field(default=2048, ge=16)
+    kv_cache_memory_bytes: Optional[int] = Field(default=None, ge=1 << 20)
+    gpu_memory_utilization: Optional[float] = Field(default=None, gt=0, le=1)
+    num_gpu_blocks_override: Optional[int] = Field(default=None, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: Optional[int] = Field(default=None, ge=16)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    in_process: bool = Field(default=False, description="run vLLM's engine core in this process")
+    speculative: Optional[SpeculativeSpec] = None
+    structured_output_backend: Literal["auto", "xgrammar", "guidance", "outlines"] = "xgrammar"
+    max_in_flight: Optional[int] = Field(
+        default=None, ge=1, description="requests kept queued in the engine; default 4 x max_num_seqs"
+    )
+    extra_args: dict[str, Any] = Field(default={}, description="other keyword arguments for vllm.LLM")
+
+
+# Every EngineConfig field, optional: what a job may override.
+EngineOverrides = create_model(
+    "EngineOverrides",
+    __config__=ConfigDict(extra="forbid"),
+    config=(str, ...),
+    **{name: (Optional[f.annotation], None) for name, f in EngineConfig.model_fields.items()},
+)
+
+
+class SamplingSpec(Strict):
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int = Field(default=256, ge=1)
+    seed: Optional[int] = 0
+    retry_max_tokens: Optional[int] = Field(
+        default=None, ge=1, description="retry once, with this budget, outputs cut off or failing the schema"
+    )
+
+
+class OutputSpec(Strict):
+    database: str
+    commit_every_rows: int = Field(default=64, ge=1)
+
+
+class JobFile(Strict):
+    """The job YAML as written; paths still relative to the job file."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    input: InputSpec
+    prompts: PromptSpec = PromptSpec()
+    output_schema: str
+    engine: EngineOverrides  # type: ignore[valid-type]
+    sampling: SamplingSpec = SamplingSpec()
+    output: OutputSpec
+    plan_window_rows: int = Field(default=8192, ge=1, description="rows grouped together at once")
+
+    @field_validator("output_schema")
+    @classmethod
+    def _json_file(cls, v: str) -> str:
+        if not v.endswith(".json"):
+            raise ValueError("must name a .json file")
+        return v
+
+
+class Job(BaseModel):
+    """A loaded job: the validated file plus what its paths resolve to."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    path: Path
+    spec: JobFile
+    input_path: str
+    system_prompt: Optional[str]
+    schema_path: Path
+    output_schema: dict[str, Any]
+    engine: EngineConfig
+    engine_config_path: Path
+    model_path: Path
+    database_path: Path
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def snapshot(self) -> dict[str, Any]:
+        """The resolved configuration, as stored with each run."""
+        return {
+            "job": self.spec.model_dump(mode="json"),
+            "job_path": str(self.path),
+            "engine": self.engine.model_dump(mode="json"),
+            "model_path": str(self.model_path),
+            "output_schema": self.output_schema,
+            "system_prompt_sha256": _sha(self.system_prompt) if self.system_prompt else None,
+        }
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def format_validation_error(file: Path, exc: ValidationError) -> str:
+    """One line: `FILE: field.path: message` for the first error, with a count of the rest."""
+    errors = exc.errors()
+    first = errors[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{file}: {loc}: {msg}{more}"
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Read a YAML mapping, or raise SpecError naming the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(f"{path}: invalid YAML: {where}{problem}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: (top level): expected a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def _resolve(base: Path, rel: str) -> Path:
+    p = Path(rel).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def load_engine_config(path: Path, overrides: dict[str, Any], job_path: Path) -> EngineConfig:
+    """Validate the engine config file, then the job's overrides on top of it."""
+    raw = read_yaml(path)
+    try:
+        base = EngineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(path, exc)) from None
+    merged = {**base.model_dump(exclude_unset=True), **overrides}
+    try:
+        return EngineConfig.model_validate(merged)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise SpecError(f"{job_path}: engine.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def load_schema(path: Path, where: str) -> dict[str, Any]:
+    """Load a JSON Schema file and check that it is a valid schema."""
+    import jsonschema
+
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecError(f"{where}: output_schema: file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SpecError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise SpecError(f"{path}: a JSON Schema must be an object")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        loc = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise SpecError(f"{path}: not a valid JSON Schema at {loc}: {exc.message}") from None
+    return schema
+
+
+def template_fields(template: str) -> set[str]:
+    """The placeholder names used by a str.format template."""
+    try:
+        return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
+    except ValueError as exc:
+        raise SpecError(f"prompts.user_template: {exc}") from None
+
+
+def load_job(path: str | Path) -> Job:
+    """Load and validate a job file, its engine config and its output schema."""
+    from runner.models import resolve_model
+
+    job_path = Path(path).resolve()
+    shown = Path(path)
+    raw = read_yaml(shown)
+    try:
+        spec = JobFile.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(shown, exc)) from None
+    base = job_path.parent
+
+    p = spec.prompts
+    if p.system is not None and p.system_file is not None:
+        raise SpecError(f"{shown}: prompts: give system or system_file, not both")
+    if spec.input.system_prompt_column and (p.system or p.system_file):
+        raise SpecError(f"{shown}: prompts: a system prompt is set and input.system_prompt_column too")
+    system = p.system
+    if p.system_file:
+        sp = _resolve(base, p.system_file)
+        try:
+            system = sp.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecError(f"{shown}: prompts.system_file: cannot read {sp}: {exc.__class__.__name__}") from None
+    allowed = {"text", *spec.input.extra_columns}
+    unknown = template_fields(p.user_template) - allowed
+    if unknown:
+        raise SpecError(
+            f"{shown}: prompts.user_template: unknown field {{{sorted(unknown)[0]}}}; "
+            f"use text or one of input.extra_columns"
+        )
+
+    schema_path = _resolve(base, spec.output_schema)
+    schema = load_schema(schema_path, str(shown))
+
+    overrides = spec.engine.model_dump(exclude_unset=True)
+    cfg_path = _resolve(base, overrides.pop("config"))
+    engine = load_engine_config(cfg_path, overrides, shown)
+    model_path = resolve_model(engine.model, cfg_path.parent)
+
+    return Job(
+        path=job_path,
+        spec=spec,
+        input_path=str(_resolve(base, spec.input.path)),
+        system_prompt=system,
+        schema_path=schema_path,
+        output_schema=schema,
+        engine=engine,
+        engine_config_path=cfg_path,
+        model_path=model_path,
+        database_path=_resolve(base, spec.output.database),
+    )

@@ -1,0 +1,164 @@
+"""Runs, results and stats in one SQLite file, through SQLAlchemy 2.0 Core.
+
+Tables come from the migrations (reflected, so the schema is written once). SQLite runs in WAL
+mode with synchronous=NORMAL and a busy timeout; each commit batch is one transaction, so a kill
+loses at most the batch in flight. The database must be on a local disk (WAL needs shared memory).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from sqlalchemy import MetaData, create_engine, event, func, select, update
+from sqlalchemy.dialects.sqlite import insert
+from sqlalchemy.exc import SQLAlchemyError
+
+from runner import __version__
+from runner.errors import StoreError
+from runner.migrations import migrate, utc_now
+
+BUSY_TIMEOUT_MS = 30_000
+
+
+class Store:
+    """One SQLite results database."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.engine = create_engine(f"sqlite:///{self.path}")
+            event.listen(self.engine, "connect", _pragmas)
+            with self.engine.begin() as conn:
+                migrate(conn)
+            meta = MetaData()
+            meta.reflect(bind=self.engine)
+        except (SQLAlchemyError, OSError) as exc:
+            raise StoreError(f"{self.path}: cannot open the results database: {_short(exc)}") from None
+        self.runs = meta.tables["runs"]
+        self.results = meta.tables["results"]
+        self.run_stats = meta.tables["run_stats"]
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- runs -------------------------------------------------------------------------------
+    def begin_run(self, job_name: str, job_path: str, config: dict) -> int:
+        values = dict(job_name=job_name, job_path=job_path, config_json=json.dumps(config, sort_keys=True),
+                      status="running", started_at_utc=utc_now(), runner_version=__version__,
+                      host=socket.gethostname(), pid=os.getpid())
+        with self._tx() as conn:
+            return conn.execute(self.runs.insert().values(**values)).inserted_primary_key[0]
+
+    def set_engine(self, run_id: int, backend: str, version: str, settings: dict) -> None:
+        with self._tx() as conn:
+            conn.execute(update(self.runs).where(self.runs.c.id == run_id).values(
+                engine_backend=backend, engine_version=version,
+                engine_settings_json=json.dumps(settings, sort_keys=True, default=str)))
+
+    def finish_run(self, run_id: int, status: str, stats: Optional[dict] = None, error: Optional[str] = None) -> None:
+        """Close a run; its stats row is written in the same transaction."""
+        with self._tx() as conn:
+            if stats is not None:
+                conn.execute(self.run_stats.insert().values(run_id=run_id, created_at_utc=utc_now(), **stats))
+            conn.execute(update(self.runs).where(self.runs.c.id == run_id).values(
+                status=status, ended_at_utc=utc_now(), error=error))
+
+    def mark_abandoned_runs(self, job_name: str) -> int:
+        """Runs still 'running' when a new one starts under the lock died: mark them interrupted."""
+        with self._tx() as conn:
+            return conn.execute(update(self.runs).where(
+                self.runs.c.job_name == job_name, self.runs.c.status == "running"
+            ).values(status="interrupted", ended_at_utc=utc_now(), error="process ended before the run finished")).rowcount
+
+    # -- results ----------------------------------------------------------------------------
+    def done_row_ids(self, job_name: str) -> set[str]:
+        with self.engine.connect() as conn:
+            return set(conn.execute(select(self.results.c.row_id).where(self.results.c.job_name == job_name)).scalars())
+
+    def write_results(self, rows: list[dict[str, Any]]) -> None:
+        """Upsert a batch of result rows in one transaction (keyed on job and row id)."""
+        if not rows:
+            return
+        stmt = insert(self.results)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["job_name", "row_id"],
+            set_={c.name: stmt.excluded[c.name] for c in self.results.columns if c.name not in ("id", "job_name", "row_id")},
+        )
+        now = utc_now()
+        with self._tx() as conn:
+            conn.execute(stmt, [dict(r, created_at_utc=now) for r in rows])
+
+    def delete_results(self, job_name: str) -> int:
+        with self._tx() as conn:
+            return conn.execute(self.results.delete().where(self.results.c.job_name == job_name)).rowcount
+
+    # -- reading ----------------------------------------------------------------------------
+    def run(self, run_id: int) -> Optional[dict]:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(self.runs).where(self.runs.c.id == run_id)).mappings().first()
+            return dict(row) if row else None
+
+    def latest_runs(self, job_name: Optional[str] = None, limit: int = 1) -> list[dict]:
+        q = select(self.runs).order_by(self.runs.c.id.desc()).limit(limit)
+        if job_name:
+            q = q.where(self.runs.c.job_name == job_name)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    def stats(self, run_id: int) -> Optional[dict]:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(self.run_stats).where(self.run_stats.c.run_id == run_id)).mappings().first()
+            return dict(row) if row else None
+
+    def result_counts(self, run_id: int) -> dict[str, int]:
+        q = select(self.results.c.status, func.count()).where(self.results.c.run_id == run_id).group_by(self.results.c.status)
+        with self.engine.connect() as conn:
+            return {s: n for s, n in conn.execute(q)}
+
+    def results_of(self, run_id: int) -> Iterable[dict]:
+        with self.engine.connect() as conn:
+            for r in conn.execute(select(self.results).where(self.results.c.run_id == run_id).order_by(self.results.c.id)).mappings():
+                yield dict(r)
+
+    def _tx(self) -> "_Tx":
+        return _Tx(self.engine, self.path)
+
+
+class _Tx:
+    """engine.begin(), with database errors turned into StoreError naming the file."""
+
+    def __init__(self, engine, path):
+        self.engine, self.path = engine, path
+
+    def __enter__(self):
+        try:
+            self.ctx = self.engine.begin()
+            return self.ctx.__enter__()
+        except SQLAlchemyError as exc:
+            raise StoreError(f"{self.path}: {_short(exc)}") from None
+
+    def __exit__(self, et, ev, tb):
+        try:
+            suppressed = self.ctx.__exit__(et, ev, tb)
+        except SQLAlchemyError as exc:
+            raise StoreError(f"{self.path}: {_short(exc)}") from None
+        if isinstance(ev, SQLAlchemyError):
+            raise StoreError(f"{self.path}: {_short(ev)}") from None
+        return suppressed
+
+
+def _pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def _short(exc: Exception) -> str:
+    return str(getattr(exc, "orig", None) or exc).splitlines()[0]
