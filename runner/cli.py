@@ -135,8 +135,8 @@ def validate(job):
 def plan(job):
     """Show how JOB's rows group by system prompt, and the prefix-cache bound.
 
-    The share of prompt tokens that are a shared, cacheable prefix bounds the prefix-cache hit
-    rate a run can reach.
+    The share of prompt tokens that are a shared prefix, counted in whole KV blocks as vLLM
+    caches them, bounds the prefix-cache hit rate a run can reach.
 
     \b
     Example:
@@ -155,13 +155,15 @@ def plan(job):
     except ModelError:
         builder = None
     docs = iter_documents(spec.input_path, spec.spec.input, spec.system_prompt)
-    p = summarize_plan(docs, builder)
-    click.echo(f"{'group':<12}  {'rows':>7}  {'prompt tok':>11}  {'prefix tok':>10}  system prompt")
+    p = summarize_plan(docs, builder, spec.block_tokens)
+    click.echo(f"{'group':<12}  {'rows':>7}  {'prompt tok':>11}  {'system tok':>10}  {'cacheable':>9}  system prompt")
     for g in p.groups:
-        click.echo(f"{g.key:<12}  {g.rows:>7,}  {g.prompt_tokens:>11,}  {g.prefix_tokens:>10,}  {g.preview}")
+        share = g.cacheable_tokens / g.prompt_tokens if g.prompt_tokens else 0
+        click.echo(f"{g.key:<12}  {g.rows:>7,}  {g.prompt_tokens:>11,}  {g.prefix_tokens:>10,}  {share:>9.1%}  {g.preview}")
     exact = "" if p.tokens_exact else " (estimated: model not prepared)"
     click.echo(f"{len(p.groups)} groups, {p.rows:,} rows, {p.prompt_tokens:,} prompt tokens{exact}")
-    click.echo(f"shared-prefix share of prompt tokens (prefix-cache bound): {100 * p.prefix_share:.1f}%")
+    click.echo(f"shared-prefix share of prompt tokens (prefix-cache bound, {p.block_tokens}-token blocks): "
+               f"{100 * p.prefix_share:.1f}%")
 
 
 @cli.command()

@@ -12,7 +12,7 @@ from typing import Iterable, Iterator, Optional
 
 from runner.prompting import Document, PromptBuilder
 
-BLOCK_TOKENS = 16  # vLLM caches prefixes in whole KV blocks of this many tokens
+DEFAULT_BLOCK_TOKENS = 16  # vLLM caches prefixes in whole KV blocks (16 tokens on GPU unless configured)
 
 
 def group_key(system_prompt: Optional[str]) -> str:
@@ -62,24 +62,51 @@ def plan_stream(docs: Iterable[Document], window_rows: int, skip_ids: frozenset[
             yield g
 
 
+class PrefixCacheBound:
+    """Counts the prompt tokens an unbounded prefix cache could serve, the way vLLM matches them.
+
+    vLLM hashes each full KV block together with everything before it and reuses a block whose
+    chained hash it has seen; the last prompt token is always computed. Replaying the prompts in
+    run order through the same rule gives the upper bound on the prefix-cache hit rate.
+    """
+
+    def __init__(self, block_tokens: int = DEFAULT_BLOCK_TOKENS, max_blocks: int = 4_000_000):
+        self.block_tokens = block_tokens
+        self.max_blocks = max_blocks  # memory cap: forgetting makes the bound a little lower, never higher
+        self._seen: set[int] = set()
+
+    def add(self, ids: list[int]) -> int:
+        """Record one prompt; return how many of its tokens the cache could have served."""
+        bs = self.block_tokens
+        h = 0
+        hit, matching = 0, True
+        for start in range(0, len(ids) - bs + 1, bs):
+            h = hash((h, tuple(ids[start:start + bs])))
+            if matching and h in self._seen and start + bs <= len(ids) - 1:
+                hit += bs
+            else:
+                matching = False
+                self._seen.add(h)
+        if len(self._seen) > self.max_blocks:
+            self._seen.clear()
+        return hit
+
+
 @dataclass
 class GroupSummary:
     key: str
     preview: str
     rows: int = 0
     prompt_tokens: int = 0
-    prefix_tokens: int = 0  # shared by every row of the group
-
-    @property
-    def cacheable_tokens(self) -> int:
-        """Prompt tokens that can come from the prefix cache: all but the first row's prefix."""
-        return max(self.rows - 1, 0) * (self.prefix_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+    prefix_tokens: int = 0  # of the system prompt, shared by every row of the group
+    cacheable_tokens: int = 0  # prompt tokens an unbounded prefix cache could serve
 
 
 @dataclass
 class PlanSummary:
     groups: list[GroupSummary]
     tokens_exact: bool  # False when counted without the model's tokenizer (chars / 4)
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
 
     @property
     def rows(self) -> int:
@@ -96,18 +123,19 @@ class PlanSummary:
         return sum(g.cacheable_tokens for g in self.groups) / total if total else 0.0
 
 
-def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder], batch: int = 256) -> PlanSummary:
+def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder],
+                   block_tokens: int = DEFAULT_BLOCK_TOKENS, batch: int = 256) -> PlanSummary:
     """Count rows and prompt tokens per group over the whole input (one group record per prompt)."""
     groups: dict[str, GroupSummary] = {}
     pending: list[Document] = []
+    bound = PrefixCacheBound(block_tokens)
 
     def flush():
         if builder is not None:
-            prompts = [builder.render(d.system_prompt, builder.user_text(d)) for d in pending]
-            counts = [len(ids) for ids in builder.encode_batch(prompts)]
-        else:
-            counts = [(len(d.system_prompt or "") + len(d.text)) // 4 + 8 for d in pending]
-        for doc, n in zip(pending, counts):
+            encoded = builder.encode_batch([builder.render(d.system_prompt, builder.user_text(d)) for d in pending])
+        else:  # no tokenizer: about four characters a token, and no cache estimate
+            encoded = [[0] * ((len(d.system_prompt or "") + len(d.text)) // 4 + 8) for d in pending]
+        for doc, ids in zip(pending, encoded):
             key = group_key(doc.system_prompt)
             g = groups.get(key)
             if g is None:
@@ -115,7 +143,9 @@ def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder], b
                 prefix = builder.system_prefix_tokens(doc.system_prompt) if builder else len(doc.system_prompt or "") // 4
                 g = groups[key] = GroupSummary(key, preview, prefix_tokens=prefix)
             g.rows += 1
-            g.prompt_tokens += n
+            g.prompt_tokens += len(ids)
+            if builder is not None:
+                g.cacheable_tokens += bound.add(ids)
         pending.clear()
 
     for doc in docs:
@@ -123,4 +153,4 @@ def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder], b
         if len(pending) >= batch:
             flush()
     flush()
-    return PlanSummary(list(groups.values()), tokens_exact=builder is not None)
+    return PlanSummary(list(groups.values()), tokens_exact=builder is not None, block_tokens=block_tokens)

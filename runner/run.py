@@ -16,7 +16,7 @@ from runner.errors import RunnerError
 from runner.inputs import iter_documents, scan_input
 from runner.lock import JobLock
 from runner.outputs import FAILED, OK, STATUSES, OutputChecker
-from runner.plan import Group, GroupSummary, PlanSummary, plan_stream
+from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound, plan_stream
 from runner.prompting import Document, PromptBuilder
 from runner.spec import Job
 from runner.store import Store
@@ -54,25 +54,26 @@ class RequestBuilder:
         self.max_len = job.engine.max_model_len
         self.max_tokens = job.spec.sampling.max_tokens
         self.groups: dict[str, GroupSummary] = {}  # what was planned, for the prefix-share bound
+        self.bound = PrefixCacheBound(job.block_tokens)
 
     def plan(self) -> PlanSummary:
-        return PlanSummary(list(self.groups.values()), tokens_exact=True)
+        return PlanSummary(list(self.groups.values()), tokens_exact=True, block_tokens=self.job.block_tokens)
 
     def build(self, group: Group, doc: Document) -> Request | Completion:
         b = self.builder
         ids = b.encode(b.render(group.system_prompt, b.user_text(doc)))
-        g = self.groups.get(group.key)
-        if g is None:
-            g = self.groups[group.key] = GroupSummary(group.key, "", prefix_tokens=b.system_prefix_tokens(group.system_prompt))
-        g.rows += 1
-        g.prompt_tokens += len(ids)
         over = len(ids) + self.max_tokens - self.max_len
         if over > 0 and self.job.spec.input.on_too_long == "truncate":
             text_ids = b.encode(doc.text)
             cut = Document(doc.row_id, b.decode(text_ids[: max(len(text_ids) - over - 8, 0)]), doc.system_prompt, doc.fields)
             ids = b.encode(b.render(group.system_prompt, b.user_text(cut)))
             over = len(ids) + self.max_tokens - self.max_len
-        if over > 0:
+        if over <= 0:
+            g = self.groups.setdefault(group.key, GroupSummary(group.key, ""))
+            g.rows += 1
+            g.prompt_tokens += len(ids)
+            g.cacheable_tokens += self.bound.add(ids)
+        else:
             return Completion(doc.row_id, prompt_tokens=len(ids), error=(
                 f"prompt is {len(ids)} tokens; with max_tokens={self.max_tokens} it exceeds "
                 f"max_model_len={self.max_len} (set input.on_too_long: truncate to cut the document)"))

@@ -53,6 +53,7 @@ class EngineConfig(Strict):
     kv_cache_memory_bytes: Optional[int] = Field(default=None, ge=1 << 20)
     gpu_memory_utilization: Optional[float] = Field(default=None, gt=0, le=1)
     num_gpu_blocks_override: Optional[int] = Field(default=None, ge=1)
+    block_size: Optional[int] = Field(default=None, ge=1, description="KV block tokens; vLLM's default is 16 on GPU, 128 on CPU")
     max_num_seqs: int = Field(default=256, ge=1)
     max_num_batched_tokens: Optional[int] = Field(default=None, ge=16)
     enable_prefix_caching: bool = True
@@ -61,6 +62,7 @@ class EngineConfig(Strict):
     in_process: bool = Field(default=False, description="run vLLM's engine core in this process")
     speculative: Optional[SpeculativeSpec] = None
     structured_output_backend: Literal["auto", "xgrammar", "guidance", "outlines"] = "xgrammar"
+    warm_prefix: bool = Field(default=True, description="send a group's first request alone, then the rest")
     max_in_flight: Optional[int] = Field(
         default=None, ge=1, description="requests kept queued in the engine; default 4 x max_num_seqs"
     )
@@ -129,6 +131,13 @@ class Job(BaseModel):
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def block_tokens(self) -> int:
+        """KV block size the prefix cache works in, for the plan's bound."""
+        from runner.plan import DEFAULT_BLOCK_TOKENS
+
+        return self.engine.block_size or DEFAULT_BLOCK_TOKENS
 
     def snapshot(self) -> dict[str, Any]:
         """The resolved configuration, as stored with each run."""

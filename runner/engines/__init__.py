@@ -11,7 +11,7 @@ def build_engine(job, kind: str = "vllm") -> Engine:
     if kind == "fake":
         from runner.engines.fake import FakeEngine
 
-        return FakeEngine(job.output_schema)
+        return FakeEngine(job.output_schema, block_tokens=job.block_tokens)
     from runner.engines.vllm_engine import VllmEngine
 
     return VllmEngine(job.engine, job.model_path, job.spec.sampling, job.output_schema)

@@ -10,7 +10,7 @@ import time
 from typing import Callable, Iterable, Iterator, Optional
 
 from runner.engines.base import Completion, EngineCounters, EngineInfo, Request
-from runner.plan import BLOCK_TOKENS
+from runner.plan import DEFAULT_BLOCK_TOKENS as BLOCK_TOKENS
 
 
 def example_for_schema(schema: dict, seed: str = "") -> object:
@@ -42,10 +42,12 @@ def example_for_schema(schema: dict, seed: str = "") -> object:
 
 class FakeEngine:
     def __init__(self, schema: dict, respond: Optional[Callable[[Request], str]] = None,
-                 delay_s: float = 0.0, finish_reason: Callable[[Request], str] = lambda r: "stop"):
+                 delay_s: float = 0.0, finish_reason: Callable[[Request], str] = lambda r: "stop",
+                 block_tokens: int = BLOCK_TOKENS):
         self.schema = schema
         self.respond = respond or (lambda r: json.dumps(example_for_schema(schema, r.row_id)))
         self.delay_s = delay_s
+        self.block_tokens = block_tokens
         self.finish_reason = finish_reason
         self._totals = EngineCounters()
         self._prefixes: dict[str, list[int]] = {}
@@ -61,7 +63,7 @@ class FakeEngine:
             if a != b:
                 break
             n += 1
-        return min(n // BLOCK_TOKENS * BLOCK_TOKENS, len(req.prompt_token_ids) - 1)
+        return min(n // self.block_tokens * self.block_tokens, len(req.prompt_token_ids) - 1)
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
         for req in requests:

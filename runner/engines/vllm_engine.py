@@ -65,7 +65,7 @@ def llm_kwargs(cfg: EngineConfig, model_path: Path, seed: int | None) -> dict[st
                                    "disable_any_whitespace": cfg.structured_output_backend != "auto"},
     )
     for name in ("kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override",
-                 "max_num_batched_tokens"):
+                 "max_num_batched_tokens", "block_size"):
         if getattr(cfg, name) is not None:
             kw[name] = getattr(cfg, name)
     if cfg.speculative is not None:
@@ -101,7 +101,7 @@ class VllmEngine:
         self._params: dict[int, Any] = {}
         self._ids = itertools.count()
         self.info = EngineInfo(backend="vllm", version=vllm.__version__,
-                               settings={k: v for k, v in kw.items() if k != "model"} | {"max_in_flight": self.max_in_flight})
+                               settings={k: v for k, v in kw.items() if k != "model"} | {"max_in_flight": self.max_in_flight, "warm_prefix": cfg.warm_prefix})
 
     def _sampling_params(self, max_tokens: int):
         sp = self._params.get(max_tokens)
@@ -118,29 +118,62 @@ class VllmEngine:
         return sp
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
+        """Stream requests through the engine, keeping up to max_in_flight queued.
+
+        With warm_prefix, the first request of a group goes alone and the rest of its group waits
+        until that leader's prefill is done: requests scheduled in the same step as their prefix is
+        computed cannot hit the cache, so without the wait a whole first wave would miss it.
+        """
         engine = self.llm.llm_engine
         source = iter(requests)
         pending: dict[str, tuple[Request, float, object]] = {}
         internal: dict[str, str] = {}  # some versions report an internal id in outputs
+        leaders: dict[str, str] = {}  # request id -> group whose prefix it is computing
+        held: dict[str, list[Request]] = {}  # group -> requests waiting for their leader
+        warm: set[str] = set()
+        released: list[Request] = []
+        n_held = 0
         exhausted = False
         while True:
-            while not exhausted and len(pending) < self.max_in_flight:
+            to_submit: list[tuple[Request, bool]] = [(r, False) for r in released]
+            released = []
+            while not exhausted and len(pending) + n_held + len(to_submit) < self.max_in_flight:
                 req = next(source, None)
                 if req is None:
                     exhausted = True
                     break
+                key = req.group_key
+                if self.cfg.warm_prefix and key not in warm:
+                    if key in held:
+                        held[key].append(req)
+                        n_held += 1
+                        continue
+                    held[key] = []
+                    to_submit.append((req, True))
+                else:
+                    to_submit.append((req, False))
+            for req, is_leader in to_submit:
                 rid = f"{req.row_id}#{next(self._ids)}"
                 try:
                     got = engine.add_request(rid, {"prompt_token_ids": req.prompt_token_ids},
                                              self._sampling_params(req.max_tokens))
                 except Exception as exc:  # a bad request is an error row, not a crashed batch
+                    if is_leader:  # its group goes on without a warmed prefix
+                        warm.add(req.group_key)
+                        followers = held.pop(req.group_key)
+                        n_held -= len(followers)
+                        released += followers
                     yield Completion(req.row_id, prompt_tokens=len(req.prompt_token_ids),
                                      error=f"rejected by vLLM: {exc.__class__.__name__}: {exc}")
                     continue
                 pending[rid] = (req, time.perf_counter(), got)
                 if isinstance(got, str) and got != rid:
                     internal[got] = rid
+                if is_leader:
+                    leaders[rid] = req.group_key
             if not pending:
+                if released:
+                    continue
                 if exhausted:
                     return
                 continue
@@ -149,9 +182,15 @@ class VllmEngine:
             except Exception as exc:
                 raise EngineError(f"vLLM engine failed: {exc.__class__.__name__}: {exc}") from None
             for out in outputs:
+                rid = out.request_id if out.request_id in pending else internal.get(out.request_id)
+                key = leaders.pop(rid, None)
+                if key is not None:  # the leader produced a token: its prefix is in the cache now
+                    warm.add(key)
+                    followers = held.pop(key)
+                    n_held -= len(followers)
+                    released += followers
                 if not out.finished:
                     continue
-                rid = out.request_id if out.request_id in pending else internal.pop(out.request_id)
                 req, t0, got = pending.pop(rid)
                 internal.pop(got, None)
                 yield self._completion(req, out, t0)

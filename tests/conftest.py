@@ -1,0 +1,91 @@
+"""Shared fixtures: real Parquet files, real SQLite files, the real embedded model's tokenizer."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["VLLM_NO_USAGE_STATS"] = "1"
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "summary": {"type": "string", "maxLength": 200},
+        "sentiment": {"type": "string", "enum": ["positive", "neutral", "negative"]},
+    },
+    "required": ["summary", "sentiment"],
+    "additionalProperties": False,
+}
+
+# Long enough to fill whole KV blocks (32 tokens in the test config; vLLM's CPU default is 128).
+SYSTEM_A = "You are a careful analyst of customer reviews. " * 24
+SYSTEM_B = "You summarize incident reports for an on-call engineer. " * 24
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The embedded default model, converted once (CI prepares it before the tests)."""
+    from runner.models import prepare_builtin_model
+
+    path, _ = prepare_builtin_model()
+    return path
+
+
+def write_docs(path: Path, n: int = 12, systems=(SYSTEM_A, SYSTEM_B), **extra_cols) -> Path:
+    """A Parquet file of n short documents whose system prompts alternate in blocks of three."""
+    ids = [f"r{i:03d}" for i in range(n)]
+    texts = [f"Document {i}: the blender number {i} broke after {i + 2} days. Very bad." for i in range(n)]
+    sys_col = [systems[(i // 3) % len(systems)] for i in range(n)]
+    cols = {"id": ids, "text": texts, "system_prompt": sys_col, **extra_cols}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(cols), path, row_group_size=5)
+    return path
+
+
+@pytest.fixture
+def make_job(tmp_path, model_dir):
+    """Write a complete job (Parquet, schema, engine config, job YAML) under tmp_path; returns its path."""
+
+    def make(rows: int = 12, job: dict | None = None, engine: dict | None = None, schema: dict | None = None,
+             docs: Path | None = None) -> Path:
+        if docs is None:
+            docs = write_docs(tmp_path / "data" / "docs.parquet", rows)
+        (tmp_path / "schemas").mkdir(exist_ok=True)
+        (tmp_path / "schemas" / "out.json").write_text(json.dumps(schema or SCHEMA))
+        cfg = {
+            "model": str(model_dir), "dtype": "bfloat16", "max_model_len": 1024,
+            "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 8, "block_size": 32, "enforce_eager": True, "in_process": True,
+            "speculative": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2},
+        } | (engine or {})
+        (tmp_path / "configs").mkdir(exist_ok=True)
+        (tmp_path / "configs" / "engine.yaml").write_text(yaml.safe_dump(cfg))
+        spec = {
+            "name": "t",
+            "input": {"path": str(docs.relative_to(tmp_path)), "id_column": "id", "text_column": "text",
+                      "system_prompt_column": "system_prompt"},
+            "output_schema": "schemas/out.json",
+            "engine": {"config": "configs/engine.yaml"},
+            "sampling": {"temperature": 0, "max_tokens": 64},
+            "output": {"database": "out/results.sqlite", "commit_every_rows": 4},
+        }
+        for key, value in (job or {}).items():
+            if isinstance(value, dict) and isinstance(spec.get(key), dict):
+                spec[key] = spec[key] | value
+            elif value is None:
+                spec.pop(key, None)
+            else:
+                spec[key] = value
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        return path
+
+    return make

@@ -1,0 +1,88 @@
+"""The command line through click's CliRunner: output, `Error:` lines and exit codes."""
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from runner.cli import cli
+
+
+@pytest.fixture
+def invoke():
+    def go(*args):
+        return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    return go
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["validate"], ["plan"], ["stats"], ["prepare-model"]])
+def test_every_command_has_help_with_an_example(invoke, command):
+    out = invoke(*command, "--help")
+    assert out.exit_code == 0
+    assert "Example:" in out.output and "runner" in out.output
+
+
+def test_validate_reports_rows_and_model(invoke, make_job):
+    out = invoke("validate", make_job(rows=7))
+    assert out.exit_code == 0, out.output
+    assert "7 rows in 1 file(s)" in out.output and "[ready]" in out.output
+
+
+def test_plan_prints_groups_and_prefix_bound(invoke, make_job):
+    out = invoke("plan", make_job(rows=12))
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0].split()[:2] == ["group", "rows"]
+    assert [int(l.split()[1]) for l in lines[1:3]] == [6, 6]
+    assert "2 groups, 12 rows" in out.output
+    share = float(out.output.rsplit(":", 1)[1].strip().rstrip("%"))
+    assert 50 < share < 100
+
+
+def test_run_with_fake_engine_then_stats(invoke, make_job, tmp_path):
+    job = make_job(rows=9)
+    out = invoke("run", "--engine", "fake", "--quiet", job)
+    assert out.exit_code == 0 and out.output == ""
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT count(*), count(DISTINCT row_id) FROM results").fetchone() == (9, 9)
+    assert con.execute("SELECT count(*) FROM run_stats").fetchone()[0] == 1
+    out = invoke("run", "--engine", "fake", job)
+    assert "0 run, 9 already done, 9 in input" in out.output and "Results:" in out.output
+    out = invoke("stats", "--job", job, "--last", "2")
+    assert out.exit_code == 0
+    assert out.output.count("completed") == 2 and "ok 9" in out.output
+    out = invoke("stats", "1", "--db", tmp_path / "out" / "results.sqlite")
+    assert out.output.startswith("run 1  t  completed")
+
+
+@pytest.mark.parametrize("break_it, code, message", [
+    (lambda s: s["input"].update(idcolumn="x"), 2, "Error: {job}: input.idcolumn: unknown key"),
+    (lambda s: s["input"].update(path="nowhere.parquet"), 3, "nowhere.parquet: input file not found"),
+    (lambda s: s["input"].update(id_column="nope"), 3, "column 'nope' (input.id_column) not found"),
+])
+def test_errors_are_one_line_with_exit_code(invoke, make_job, break_it, code, message):
+    job = make_job()
+    spec = yaml.safe_load(job.read_text())
+    break_it(spec)
+    job.write_text(yaml.safe_dump(spec))
+    for command in ("validate", "run"):
+        result = CliRunner().invoke(cli, [command, "--engine", "fake", str(job)] if command == "run" else [command, str(job)])
+        assert result.exit_code == code
+        assert result.output.strip().splitlines() == [result.output.strip()]  # one line
+        assert result.output.startswith("Error: ") and message.format(job=job) in result.output
+
+
+def test_missing_model_is_an_error(invoke, make_job, tmp_path):
+    job = make_job(engine={"model": str(tmp_path / "no-model")})
+    result = CliRunner().invoke(cli, ["run", str(job)])
+    assert result.exit_code == 4
+    assert result.output.startswith("Error: ") and "no-model" in result.output
+
+
+def test_stats_without_database(invoke, tmp_path):
+    result = CliRunner().invoke(cli, ["stats", "--db", str(tmp_path / "none.sqlite")])
+    assert result.exit_code == 6 and "Error: " in result.output and "no results database" in result.output
+    result = CliRunner().invoke(cli, ["stats"])
+    assert result.exit_code == 2 and "give --job JOB or --db DATABASE" in result.output

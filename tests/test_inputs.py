@@ -1,0 +1,96 @@
+"""Parquet reading: streaming in record batches, input paths, and bad input found before a run."""
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from runner.errors import InputError
+from runner.inputs import _batches, input_files, iter_documents, scan_input
+from runner.spec import InputSpec
+from tests.conftest import write_docs
+
+SPEC = InputSpec(path="x", id_column="id", text_column="text", system_prompt_column="system_prompt")
+
+
+def test_streams_in_record_batches_of_the_configured_size(tmp_path):
+    f = write_docs(tmp_path / "d.parquet", 23)
+    spec = SPEC.model_copy(update={"batch_rows": 4})
+    sizes = [b.num_rows for _, b in _batches([str(f)], spec, ["id", "text"])]
+    assert max(sizes) <= 4 and sum(sizes) == 23
+    it = iter_documents(str(f), spec, None)
+    first = next(it)  # lazily: the first row comes before the rest are read
+    assert first.row_id == "r000" and first.text.startswith("Document 0")
+    assert [d.row_id for d in it][-1] == "r022"
+
+
+def test_limit_and_extra_columns(tmp_path):
+    f = write_docs(tmp_path / "d.parquet", 10, title=[f"T{i}" for i in range(10)])
+    spec = SPEC.model_copy(update={"limit": 7, "batch_rows": 3, "extra_columns": ["title"]})
+    rows = list(iter_documents(str(f), spec, None))
+    assert len(rows) == 7 and rows[6].fields == {"title": "T6"}
+    assert scan_input(str(f), spec).rows == 7
+
+
+def test_folder_and_glob_inputs(tmp_path):
+    write_docs(tmp_path / "in" / "a.parquet", 3)
+    pq.write_table(pa.table({"id": ["z1"], "text": ["t"], "system_prompt": ["s"]}), tmp_path / "in" / "b.parquet")
+    assert [p.rsplit("/", 1)[1] for p in input_files(str(tmp_path / "in"))] == ["a.parquet", "b.parquet"]
+    assert len(input_files(str(tmp_path / "in" / "*.parquet"))) == 2
+    assert scan_input(str(tmp_path / "in"), SPEC).rows == 4
+
+
+def test_integer_ids_become_text(tmp_path):
+    f = tmp_path / "i.parquet"
+    pq.write_table(pa.table({"id": [5, 6], "text": ["a", "b"], "system_prompt": ["s", "s"]}), f)
+    assert [d.row_id for d in iter_documents(str(f), SPEC, None)] == ["5", "6"]
+
+
+def _write(tmp_path, **cols):
+    f = tmp_path / "bad.parquet"
+    pq.write_table(pa.table(cols), f)
+    return str(f)
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda p: str(p / "missing.parquet"), "missing.parquet: input file not found"),
+    (lambda p: str(p / "none-*.parquet"), "no Parquet files match"),
+    (lambda p: _write(p, id=pa.array([], pa.string()), text=pa.array([], pa.string()),
+                      system_prompt=pa.array([], pa.string())), "the input has no rows"),
+    (lambda p: _write(p, ident=["a"], text=["t"], system_prompt=["s"]), "column 'id' (input.id_column) not found"),
+    (lambda p: _write(p, id=["a"], body=["t"], system_prompt=["s"]), "column 'text' (input.text_column) not found"),
+    (lambda p: _write(p, id=["a", "b", "a"], text=["x", "y", "z"], system_prompt=["s"] * 3), "duplicate id 'a'"),
+    (lambda p: _write(p, id=["a", "b"], text=["x", None], system_prompt=["s"] * 2), "is null in 1 rows, first at id 'b'"),
+    (lambda p: _write(p, id=["a"], text=[b"\xff\xfe bad"], system_prompt=["s"]), "holds bytes that are not UTF-8 text"),
+    (lambda p: _write(p, id=["a"], text=[3], system_prompt=["s"]), "must hold text, not int64"),
+])
+def test_bad_input_is_one_clear_error(tmp_path, make, expected):
+    with pytest.raises(InputError) as err:
+        scan_input(make(tmp_path), SPEC)
+    assert expected in str(err.value)
+
+
+def test_corrupt_parquet(tmp_path):
+    f = write_docs(tmp_path / "c.parquet", 30)
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])  # cut off: no footer
+    with pytest.raises(InputError, match="c.parquet: (corrupt|not a readable) Parquet"):
+        scan_input(str(f), SPEC)
+    (tmp_path / "t.parquet").write_text("not parquet at all")
+    with pytest.raises(InputError, match="t.parquet"):
+        scan_input(str(tmp_path / "t.parquet"), SPEC)
+
+
+def test_unreadable_file(tmp_path, monkeypatch):
+    import os
+
+    import pyarrow.parquet
+
+    f = write_docs(tmp_path / "u.parquet", 2)
+    f.chmod(0)
+    if os.geteuid() == 0:  # root reads any file whatever its mode: make the open fail as it would
+        def refuse(*a, **k):
+            raise PermissionError(13, "Permission denied")
+        monkeypatch.setattr(pyarrow.parquet, "ParquetFile", refuse)
+    with pytest.raises(InputError, match="permission denied"):
+        scan_input(str(f), SPEC)

@@ -1,0 +1,82 @@
+"""Planner: grouping by system prompt, deterministic order, windows, and the prefix-share bound."""
+from __future__ import annotations
+
+from runner.plan import GroupSummary, PlanSummary, PrefixCacheBound, group_key, plan_stream, plan_window, summarize_plan
+from runner.prompting import Document, PromptBuilder
+
+
+def docs(spec: str) -> list[Document]:
+    """'AABAC' -> rows r0..r4 whose system prompts are 'A', 'A', 'B', ..."""
+    return [Document(f"r{i}", f"text {i}", f"system {c}", {}) for i, c in enumerate(spec)]
+
+
+def order(groups) -> list[str]:
+    return [d.row_id for g in groups for d in g.docs]
+
+
+def test_rows_sharing_a_prompt_run_together_in_first_appearance_order():
+    groups = plan_window(docs("ABACBA"))
+    assert [g.system_prompt for g in groups] == ["system A", "system B", "system C"]
+    assert order(groups) == ["r0", "r2", "r5", "r1", "r4", "r3"]
+
+
+def test_plan_is_deterministic():
+    assert order(plan_window(docs("CABBAC"))) == order(plan_window(docs("CABBAC")))
+
+
+def test_group_key_is_stable_and_distinct():
+    assert group_key("x") == group_key("x") != group_key("y")
+    assert group_key(None) == group_key("") == "none"
+
+
+def test_windows_bound_grouping_and_continue_the_last_group():
+    # window 1: A A B -> [A A][B]; window 2 starts with B (the group that ran last), then A.
+    groups = list(plan_stream(docs("AABABA"), window_rows=3))
+    assert order(groups) == ["r0", "r1", "r2", "r4", "r3", "r5"]
+    assert [g.system_prompt for g in groups] == ["system A", "system B", "system B", "system A"]
+
+
+def test_done_rows_are_left_out():
+    groups = list(plan_stream(docs("ABAB"), window_rows=10, skip_ids={"r0", "r3"}))
+    assert order(groups) == ["r1", "r2"]  # B appears first among what is left
+
+
+def test_prefix_bound_counts_whole_blocks_seen_before_like_vllm():
+    b = PrefixCacheBound(block_tokens=4)
+    first = list(range(10))
+    assert b.add(first) == 0  # nothing cached yet
+    assert b.add(first) == 8  # two whole blocks; the last prompt token is always computed
+    assert b.add(list(range(8))) == 4  # 8 tokens: the second block would hold the last token
+    assert b.add([0, 1, 2, 3, 9, 9, 9, 9, 9]) == 4  # diverges in block 2
+    assert b.add([9, 1, 2, 3, 4, 5, 6, 7, 8]) == 0  # a block counts only after its whole prefix
+    assert b.add([0, 1, 2, 3, 9, 9, 9, 9, 9, 9]) == 8  # the diverging branch was cached too
+    assert PrefixCacheBound(block_tokens=16).add(first) == 0
+
+
+def test_prefix_share_sums_cacheable_over_prompt_tokens():
+    g = GroupSummary("k", "", rows=3, prompt_tokens=300, cacheable_tokens=64)
+    assert PlanSummary([g], True).prefix_share == 64 / 300
+    assert PlanSummary([], True).prefix_share == 0
+
+
+def test_summary_counts_real_tokens_per_group(model_dir):
+    b = PromptBuilder(model_dir)
+    long_a, long_b = "Rules for A. " * 40, "Rules for B. " * 40
+    rows = [Document(f"r{i}", f"doc {i}", long_a if i % 2 else long_b, {}) for i in range(6)]
+    s = summarize_plan(rows, b)
+    assert s.rows == 6 and len(s.groups) == 2 and s.tokens_exact
+    prompt0 = b.encode(b.render(long_b, "doc 0"))
+    assert s.groups[0].prompt_tokens == sum(len(b.encode(b.render(long_b, f"doc {i}"))) for i in (0, 2, 4))
+    assert 100 < s.groups[0].prefix_tokens < len(prompt0)
+    assert 0.5 < s.prefix_share < 1
+
+
+def test_prompt_builder_matches_the_models_chat_template(model_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello there"}]
+    b = PromptBuilder(model_dir)
+    expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert b.render("Be terse.", "Hello there") == expected
+    assert b.encode(expected) == hf(expected, add_special_tokens=False)["input_ids"]

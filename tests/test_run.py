@@ -1,0 +1,179 @@
+"""The run loop's own logic, on the fake engine and real SQLite: resume, retries, failures, stats."""
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import jsonschema
+import pytest
+
+from runner.engines.base import Completion
+from runner.engines.fake import FakeEngine, example_for_schema
+from runner.errors import EngineError
+from runner.run import run_job
+from runner.spec import load_job
+from tests.conftest import SCHEMA, SYSTEM_A, SYSTEM_B
+
+
+def results(job):
+    con = sqlite3.connect(job.database_path)
+    con.row_factory = sqlite3.Row
+    return {r["row_id"]: dict(r) for r in con.execute("SELECT * FROM results")}
+
+
+def test_every_row_is_stored_once_with_stats(make_job):
+    job = load_job(make_job(rows=12))
+    engines = []
+
+    def factory(j):
+        engines.append(FakeEngine(j.output_schema))
+        return engines[-1]
+
+    s = run_job(job, engine_factory=factory)
+    rows = results(job)
+    assert sorted(rows) == [f"r{i:03d}" for i in range(12)]
+    assert all(r["status"] == "ok" and r["run_id"] == s.run_id for r in rows.values())
+    for r in rows.values():
+        jsonschema.validate(json.loads(r["extraction_json"]), SCHEMA)
+    # Grouped order: every SYSTEM_A row reached the engine before any SYSTEM_B row.
+    keys = [r.group_key for r in engines[0].seen]
+    assert keys == sorted(keys, key=keys.index) and len(set(keys)) == 2
+    assert s.stats["rows_total"] == 12 and s.stats["rows_ok"] == 12
+    assert s.stats["prefix_cache_hits"] > 0 and 0 < s.stats["prefix_cache_hit_rate"] < 1
+    assert 0.5 < s.stats["plan_prefix_share"] < 1  # long system prompts, short documents
+    con = sqlite3.connect(job.database_path)
+    assert con.execute("SELECT status FROM runs").fetchall() == [("completed",)]
+    assert con.execute("SELECT count(*) FROM run_stats").fetchone()[0] == 1
+
+
+def test_rerun_skips_finished_rows_and_restart_redoes_them(make_job):
+    job = load_job(make_job(rows=10))
+    first = run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
+    seen = []
+
+    def factory(j):
+        e = FakeEngine(j.output_schema)
+        seen.append(e)
+        return e
+
+    again = run_job(job, engine_factory=factory)
+    assert seen[0].seen == [] and again.rows_skipped == 10 and again.stats["rows_total"] == 0
+    assert {r["run_id"] for r in results(job).values()} == {first.run_id}
+    redo = run_job(job, engine_factory=factory, restart=True)
+    assert len(seen[1].seen) == 10 and {r["run_id"] for r in results(job).values()} == {redo.run_id}
+
+
+def test_bad_outputs_are_stored_with_status_and_error(make_job):
+    job = load_job(make_job(rows=6))
+    answers = {
+        "r000": '{"summary": "fine", "sentiment": "neutral"}',
+        "r001": '{"summary": "cut',
+        "r002": "not json",
+        "r003": '{"summary": "x", "sentiment": "angry"}',
+    }
+    engine = FakeEngine(SCHEMA, respond=lambda r: answers.get(r.row_id, '{"summary": "s", "sentiment": "positive"}'),
+                        finish_reason=lambda r: "length" if r.row_id == "r001" else "stop")
+    s = run_job(job, engine_factory=lambda j: engine)
+    rows = results(job)
+    assert rows["r000"]["status"] == "ok"
+    assert rows["r001"]["status"] == "truncated" and "max_tokens=64" in rows["r001"]["error"]
+    assert rows["r002"]["status"] == "invalid_json" and rows["r002"]["extraction_json"] is None
+    assert rows["r003"]["status"] == "schema_mismatch" and "sentiment" in rows["r003"]["error"]
+    assert rows["r003"]["output_text"] == answers["r003"]
+    assert s.counts == {"ok": 3, "truncated": 1, "invalid_json": 1, "schema_mismatch": 1, "failed": 0}
+
+
+def test_retry_once_with_larger_budget_when_enabled(make_job):
+    job = load_job(make_job(rows=4, job={"sampling": {"max_tokens": 64, "retry_max_tokens": 200}}))
+    budgets: dict[str, list[int]] = {}
+
+    def respond(r):
+        budgets.setdefault(r.row_id, []).append(r.max_tokens)
+        if r.row_id == "r001" and r.max_tokens < 200:
+            return '{"summary": "cut'  # fixed by the larger budget
+        if r.row_id == "r002":
+            return "never json"  # fails both times
+        return '{"summary": "s", "sentiment": "positive"}'
+
+    run_job(job, engine_factory=lambda j: FakeEngine(SCHEMA, respond=respond))
+    rows = results(job)
+    assert budgets["r001"] == [64, 200] and budgets["r002"] == [64, 200] and budgets["r000"] == [64]
+    assert (rows["r001"]["status"], rows["r001"]["attempts"], rows["r001"]["first_status"]) == ("ok", 2, "invalid_json")
+    assert (rows["r002"]["status"], rows["r002"]["attempts"], rows["r002"]["first_status"]) == ("invalid_json", 2, "invalid_json")
+    assert (rows["r000"]["attempts"], rows["r000"]["first_status"]) == (1, None)
+
+
+def test_too_long_document_fails_or_is_truncated(make_job, tmp_path):
+    from tests.conftest import write_docs
+
+    docs = write_docs(tmp_path / "data" / "long.parquet", 3)
+    import pyarrow.parquet as pq
+    t = pq.read_table(docs).to_pydict()
+    t["text"][1] = "word " * 3000
+    import pyarrow as pa
+    pq.write_table(pa.table(t), docs)
+
+    job = load_job(make_job(docs=docs))
+    seen = FakeEngine(SCHEMA)
+    run_job(job, engine_factory=lambda j: seen)
+    rows = results(job)
+    assert rows["r001"]["status"] == "failed" and "exceeds max_model_len=1024" in rows["r001"]["error"]
+    assert [r.row_id for r in seen.seen] == ["r000", "r002"]
+
+    job2 = load_job(make_job(docs=docs, job={"name": "t2", "input": {"on_too_long": "truncate"}}))
+    seen2 = FakeEngine(SCHEMA)
+    run_job(job2, engine_factory=lambda j: seen2)
+    long_req = [r for r in seen2.seen if r.row_id == "r001"][0]
+    assert len(long_req.prompt_token_ids) + 64 <= 1024
+    assert results(job2)["r001"]["status"] == "ok"
+
+
+def test_rejected_request_becomes_a_failed_row(make_job):
+    job = load_job(make_job(rows=3))
+
+    class Rejecting(FakeEngine):
+        def generate(self, requests):
+            for c in super().generate(requests):
+                yield Completion(c.row_id, error="rejected by vLLM: ValueError: bad") if c.row_id == "r001" else c
+
+    s = run_job(job, engine_factory=lambda j: Rejecting(SCHEMA))
+    rows = results(job)
+    assert rows["r001"]["status"] == "failed" and "rejected" in rows["r001"]["error"]
+    assert s.counts["ok"] == 2
+
+
+def test_engine_that_fails_to_start_marks_the_run_failed(make_job):
+    job = load_job(make_job(rows=3))
+
+    def broken(j):
+        raise EngineError("vLLM failed to start: out of memory")
+
+    with pytest.raises(EngineError):
+        run_job(job, engine_factory=broken)
+    con = sqlite3.connect(job.database_path)
+    assert con.execute("SELECT status, error FROM runs").fetchall() == [("failed", "vLLM failed to start: out of memory")]
+    assert con.execute("SELECT count(*) FROM results").fetchone()[0] == 0
+
+
+def test_engine_dying_midway_keeps_finished_rows(make_job):
+    job = load_job(make_job(rows=10))
+
+    class Dying(FakeEngine):
+        def generate(self, requests):
+            for i, c in enumerate(super().generate(requests)):
+                if i == 6:
+                    raise EngineError("engine died")
+                yield c
+
+    with pytest.raises(EngineError):
+        run_job(job, engine_factory=lambda j: Dying(SCHEMA))
+    assert len(results(job)) == 6  # the partial commit batch was flushed
+    run_job(job, engine_factory=lambda j: FakeEngine(SCHEMA))
+    assert len(results(job)) == 10
+
+
+def test_example_for_schema_satisfies_the_sample_schema():
+    from tests.conftest import ROOT
+
+    schema = json.loads((ROOT / "schemas" / "summarize.schema.json").read_text())
+    jsonschema.validate(example_for_schema(schema, "doc-1"), schema)

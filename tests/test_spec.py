@@ -1,0 +1,113 @@
+"""Job spec validation: a wrong key, type or path gives one error naming the file and the field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from runner.errors import SpecError
+from runner.spec import load_job
+
+
+def test_valid_job_resolves_paths_and_merges_engine_overrides(make_job, tmp_path, model_dir):
+    path = make_job(job={"engine": {"config": "configs/engine.yaml", "max_num_seqs": 3}})
+    job = load_job(path)
+    assert job.name == "t"
+    assert job.engine.max_num_seqs == 3  # the job's override wins
+    assert job.engine.max_model_len == 1024  # the config file's value stays
+    assert job.engine.enable_prefix_caching is True  # the default
+    assert job.engine.speculative.method == "ngram"
+    assert job.database_path == tmp_path / "out" / "results.sqlite"
+    assert job.model_path == model_dir
+    assert job.output_schema["required"] == ["summary", "sentiment"]
+    snap = job.snapshot()
+    assert snap["engine"]["max_num_seqs"] == 3 and snap["job"]["name"] == "t"
+
+
+def test_real_sample_job_is_valid():
+    from tests.conftest import ROOT
+
+    job = load_job(ROOT / "jobs" / "summarize.yaml")
+    assert job.schema_path.parent.name == "schemas"
+    assert job.engine_config_path.parent.name == "configs"
+    assert job.spec.input.system_prompt_column == "system_prompt"
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda s: s["input"].update(idcolumn="x"), "job.yaml: input.idcolumn: unknown key"),
+    (lambda s: s.update(colour="red"), "job.yaml: colour: unknown key"),
+    (lambda s: s["input"].pop("text_column"), "job.yaml: input.text_column: Field required"),
+    (lambda s: s["sampling"].update(max_tokens="lots"), "job.yaml: sampling.max_tokens: Input should be a valid integer"),
+    (lambda s: s["sampling"].update(temperature=-1), "job.yaml: sampling.temperature: Input should be greater than or equal to 0"),
+    (lambda s: s.update(name="has space"), "job.yaml: name: String should match pattern"),
+    (lambda s: s["engine"].update(max_num_seq=4), "job.yaml: engine.max_num_seq: unknown key"),
+    (lambda s: s["engine"].update(max_num_seqs=0), "job.yaml: engine.max_num_seqs: Input should be greater than or equal to 1"),
+    (lambda s: s.update(output_schema="schemas/missing.json"), "job.yaml: output_schema: file not found"),
+    (lambda s: s["engine"].update(config="configs/nope.yaml"), "nope.yaml: file not found"),
+    (lambda s: s.update(prompts={"user_template": "{title}: {text}"}), "job.yaml: prompts.user_template: unknown field {title}"),
+    (lambda s: s.update(prompts={"system": "x"}), "job.yaml: prompts: a system prompt is set and input.system_prompt_column too"),
+])
+def test_bad_job_names_file_and_field(make_job, mutate, expected):
+    path = make_job()
+    spec = yaml.safe_load(path.read_text())
+    mutate(spec)
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_engine_config_file_is_named(make_job, tmp_path):
+    path = make_job(engine={"dtype": "bfloat16", "max_model_len": "long"})
+    with pytest.raises(SpecError, match=r"engine\.yaml: max_model_len: Input should be a valid integer"):
+        load_job(path)
+
+
+def test_invalid_yaml_gives_line(make_job):
+    path = make_job()
+    path.write_text("name: t\ninput: [unclosed\n")
+    with pytest.raises(SpecError, match=r"job\.yaml: invalid YAML: line \d+"):
+        load_job(path)
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path):
+    p = tmp_path / "j.yaml"
+    p.write_text("- just\n- a list\n")
+    with pytest.raises(SpecError, match="expected a mapping"):
+        load_job(p)
+
+
+def test_schema_that_is_not_json_schema(make_job, tmp_path):
+    path = make_job(schema={"type": "object", "properties": {"a": {"type": "strin"}}})
+    with pytest.raises(SpecError, match=r"out\.json: not a valid JSON Schema at properties/a/type"):
+        load_job(path)
+
+
+def test_schema_that_is_not_json(make_job, tmp_path):
+    path = make_job()
+    (tmp_path / "schemas" / "out.json").write_text("{nope")
+    with pytest.raises(SpecError, match=r"out\.json: not valid JSON"):
+        load_job(path)
+
+
+def test_system_prompt_file_is_read(make_job, tmp_path):
+    (tmp_path / "prompt.txt").write_text("Be brief.")
+    path = make_job(job={"input": {"system_prompt_column": None}, "prompts": {"system_file": "prompt.txt"}})
+    spec = yaml.safe_load(path.read_text())
+    spec["input"].pop("system_prompt_column")
+    path.write_text(yaml.safe_dump(spec))
+    assert load_job(path).system_prompt == "Be brief."
+
+
+def test_missing_job_file(tmp_path):
+    with pytest.raises(SpecError, match="nothere.yaml: file not found"):
+        load_job(tmp_path / "nothere.yaml")
+
+
+def test_builtin_model_resolves_under_cache(make_job, tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    path = make_job(engine={"model": "builtin:smollm2-135m-instruct"})
+    assert load_job(path).model_path == tmp_path / "cache" / "models" / "smollm2-135m-instruct"
+    json.dumps(load_job(path).snapshot())  # the snapshot is JSON-serialisable

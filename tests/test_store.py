@@ -1,0 +1,95 @@
+"""The SQLite store on real files: migrations, WAL settings, upserts and run records."""
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from runner.errors import StoreError
+from runner.migrations import MIGRATIONS
+from runner.store import Store
+
+
+def row(run_id, row_id, status="ok", **kw):
+    return dict(run_id=run_id, job_name="j", row_id=row_id, group_key="g", status=status,
+                extraction_json='{"a": 1}', output_text='{"a": 1}', error=None, prompt_tokens=10,
+                completion_tokens=5, cached_prompt_tokens=0, finish_reason="stop", latency_ms=1.5,
+                preemptions=0, attempts=1, first_status=None) | kw
+
+
+def test_migrations_run_once_and_are_recorded(tmp_path):
+    db = tmp_path / "r.sqlite"
+    Store(db).close()
+    Store(db).close()  # reopening applies nothing twice
+    con = sqlite3.connect(db)
+    names = [r[0] for r in con.execute("SELECT name FROM _migrations ORDER BY name")]
+    assert names == [m.__name__ for m in MIGRATIONS]
+    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"runs", "results", "run_stats"} <= tables
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_connections_use_normal_sync_and_busy_timeout(tmp_path):
+    s = Store(tmp_path / "r.sqlite")
+    with s.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+
+
+def test_results_upsert_on_job_and_row_id(tmp_path):
+    s = Store(tmp_path / "r.sqlite")
+    run1 = s.begin_run("j", "/j.yaml", {"k": 1})
+    s.write_results([row(run1, "a"), row(run1, "b", status="truncated")])
+    run2 = s.begin_run("j", "/j.yaml", {"k": 1})
+    s.write_results([row(run2, "b", status="ok", attempts=2, first_status="truncated")])
+    con = sqlite3.connect(tmp_path / "r.sqlite")
+    got = con.execute("SELECT row_id, run_id, status, attempts, first_status FROM results ORDER BY row_id").fetchall()
+    assert got == [("a", run1, "ok", 1, None), ("b", run2, "ok", 2, "truncated")]
+    assert s.done_row_ids("j") == {"a", "b"}
+    assert s.done_row_ids("other") == set()
+
+
+def test_unique_key_is_in_the_database_not_only_in_code(tmp_path):
+    s = Store(tmp_path / "r.sqlite")
+    run = s.begin_run("j", "/j.yaml", {})
+    s.write_results([row(run, "a")])
+    con = sqlite3.connect(tmp_path / "r.sqlite")
+    with pytest.raises(sqlite3.IntegrityError):
+        con.execute("INSERT INTO results (run_id, job_name, row_id, group_key, status, prompt_tokens, "
+                    "completion_tokens, cached_prompt_tokens, latency_ms, created_at_utc) "
+                    "VALUES (?, 'j', 'a', 'g', 'ok', 1, 1, 0, 1, 'now')", (run,))
+
+
+def test_run_lifecycle_and_stats(tmp_path):
+    from runner.engines.base import EngineCounters
+    from runner.run import build_stats
+
+    s = Store(tmp_path / "r.sqlite")
+    run = s.begin_run("j", "/j.yaml", {"x": 1})
+    s.set_engine(run, "fake", "0", {"max_num_seqs": 4})
+    counts = {"ok": 3, "truncated": 1, "invalid_json": 0, "schema_mismatch": 0, "failed": 0}
+    used = EngineCounters(prefix_cache_queries=100, prefix_cache_hits=60, spec_draft_tokens=10, spec_accepted_tokens=7)
+    stats = build_stats(counts, {"prompt": 100, "completion": 40, "cached": 60}, used, 10.0, 2.0, 8.0, 0.7, 5)
+    s.finish_run(run, "completed", stats=stats)
+    r = s.run(run)
+    assert r["status"] == "completed" and r["ended_at_utc"] and r["engine_backend"] == "fake"
+    st = s.stats(run)
+    assert st["documents_per_s"] == 4 / 8.0 and st["prefix_cache_hit_rate"] == 0.6
+    assert st["spec_acceptance_rate"] == 0.7 and st["rows_skipped"] == 5 and st["total_tokens_per_s"] == 140 / 8
+    assert [x["id"] for x in s.latest_runs("j", 5)] == [run]
+
+
+def test_abandoned_runs_are_marked_interrupted(tmp_path):
+    s = Store(tmp_path / "r.sqlite")
+    run = s.begin_run("j", "/j.yaml", {})
+    assert s.mark_abandoned_runs("j") == 1
+    assert s.run(run)["status"] == "interrupted"
+
+
+def test_unopenable_database_is_a_store_error(tmp_path):
+    (tmp_path / "dir.sqlite").mkdir()
+    with pytest.raises(StoreError, match="dir.sqlite: cannot open the results database"):
+        Store(tmp_path / "dir.sqlite")
+    (tmp_path / "junk.sqlite").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match="junk.sqlite"):
+        Store(tmp_path / "junk.sqlite")
