@@ -19,13 +19,19 @@ def reports_errors(fn):
         try:
             return fn(*args, **kwargs)
         except RunnerError as exc:
-            click.echo(f"Error: {exc}", err=True)
+            click.echo(f"Error: {_one_line(str(exc))}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("Error: interrupted; finished rows are stored, rerun to resume", err=True)
             sys.exit(130)
 
     return wrapper
+
+
+def _one_line(message: str, limit: int = 800) -> str:
+    """Messages from libraries (vLLM, pydantic) can span many lines; an error is one line."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _table(rows: list[tuple[str, object]]) -> str:

@@ -32,6 +32,9 @@ class PromptBuilder:
         self.model_dir = Path(model_dir)
         self.user_template = user_template
         tok_file = self.model_dir / "tokenizer.json"
+        if not self.model_dir.is_dir():
+            raise ModelError(f"{self.model_dir}: model folder not found (engine.model; for the builtin model run: "
+                             "runner prepare-model)")
         if not tok_file.is_file():
             raise ModelError(f"{self.model_dir}: no tokenizer.json (is the model prepared? run: runner prepare-model)")
         from tokenizers import Tokenizer

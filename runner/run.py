@@ -83,10 +83,11 @@ class RequestBuilder:
 def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine, restart: bool = False,
             wait: bool = False, progress_factory: Optional[Callable[[int], Progress]] = None) -> RunSummary:
     """Run a job to completion (or resume it). Raises RunnerError subclasses; never prints."""
-    store = Store(job.database_path)
+    # Bad input or a missing model stops the run here, before anything is written.
+    scan = scan_input(job.input_path, job.spec.input)
+    builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
     with JobLock(job.database_path, job.name, wait=wait):
-        scan = scan_input(job.input_path, job.spec.input)  # bad input stops here, before any write
-        builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
+        store = Store(job.database_path)
         if restart:
             store.delete_results(job.name)
         store.mark_abandoned_runs(job.name)

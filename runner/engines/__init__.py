@@ -9,9 +9,13 @@ __all__ = ["Completion", "Engine", "EngineCounters", "EngineInfo", "Request", "b
 def build_engine(job, kind: str = "vllm") -> Engine:
     """The engine a job runs on: `vllm` (real), or `fake` (tests of the runner's own logic)."""
     if kind == "fake":
+        import os
+
         from runner.engines.fake import FakeEngine
 
-        return FakeEngine(job.output_schema, block_tokens=job.block_tokens)
+        # RUNNER_FAKE_DELAY_S slows the fake engine down so that tests can kill a run midway.
+        delay = float(os.environ.get("RUNNER_FAKE_DELAY_S", "0"))
+        return FakeEngine(job.output_schema, block_tokens=job.block_tokens, delay_s=delay)
     from runner.engines.vllm_engine import VllmEngine
 
     return VllmEngine(job.engine, job.model_path, job.spec.sampling, job.output_schema)

@@ -1,0 +1,80 @@
+"""Bad input through the CLI: one `Error:` line, a non-zero exit code, and no run at all."""
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from runner.cli import cli
+
+
+def _parquet(path, **cols):
+    pq.write_table(pa.table(cols), path)
+
+
+def bad_parquet(kind):
+    def make(tmp_path, job):
+        f = tmp_path / "data" / "docs.parquet"
+        if kind == "missing":
+            f.unlink()
+        elif kind == "corrupt":
+            f.write_bytes(f.read_bytes()[:200])
+        elif kind == "empty":
+            _parquet(f, id=pa.array([], pa.string()), text=pa.array([], pa.string()), system_prompt=pa.array([], pa.string()))
+        elif kind == "no_id":
+            _parquet(f, key=["a"], text=["t"], system_prompt=["s"])
+        elif kind == "no_text":
+            _parquet(f, id=["a"], body=["t"], system_prompt=["s"])
+        elif kind == "dup_ids":
+            _parquet(f, id=["a", "a"], text=["t", "u"], system_prompt=["s", "s"])
+        elif kind == "null_text":
+            _parquet(f, id=["a", "b"], text=["t", None], system_prompt=["s", "s"])
+        elif kind == "not_utf8":
+            _parquet(f, id=["a"], text=pa.array([b"caf\xe9"], pa.binary()), system_prompt=["s"])
+    return make
+
+
+def edit_job(fn):
+    def make(tmp_path, job):
+        spec = yaml.safe_load(job.read_text())
+        fn(spec, tmp_path)
+        job.write_text(yaml.safe_dump(spec))
+    return make
+
+
+def write_text(rel, text):
+    def make(tmp_path, job):
+        (tmp_path / rel if rel else job).write_text(text)
+    return make
+
+
+CASES = [
+    ("missing parquet", bad_parquet("missing"), 3, "docs.parquet: input file not found"),
+    ("corrupt parquet", bad_parquet("corrupt"), 3, "docs.parquet: "),
+    ("empty input", bad_parquet("empty"), 3, "the input has no rows"),
+    ("missing id column", bad_parquet("no_id"), 3, "column 'id' (input.id_column) not found"),
+    ("missing text column", bad_parquet("no_text"), 3, "column 'text' (input.text_column) not found"),
+    ("duplicate ids", bad_parquet("dup_ids"), 3, "duplicate id 'a'"),
+    ("null text", bad_parquet("null_text"), 3, "null in 1 rows, first at id 'b'"),
+    ("non-UTF-8 bytes", bad_parquet("not_utf8"), 3, "not UTF-8 text"),
+    ("invalid YAML", write_text(None, "name: t\n  input: : :\n"), 2, "job.yaml: invalid YAML"),
+    ("unknown key", edit_job(lambda s, p: s["output"].update(databse="x")), 2, "job.yaml: output.databse: unknown key"),
+    ("schema not JSON Schema", write_text("schemas/out.json", json.dumps({"type": 12})), 2,
+     "out.json: not a valid JSON Schema"),
+    ("missing model path", edit_job(lambda s, p: s["engine"].update(model=str(p / "nope"))), 4, "nope: model folder not found (engine.model"),
+]
+
+
+@pytest.mark.parametrize("name, breaker, code, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_error_line_and_no_run(make_job, tmp_path, name, breaker, code, message):
+    job = make_job(rows=6)
+    breaker(tmp_path, job)
+    result = CliRunner().invoke(cli, ["run", "--engine", "fake", str(job)])
+    assert result.exit_code == code, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0]
+    assert not (tmp_path / "out" / "results.sqlite").exists()  # no partial run

@@ -1,0 +1,158 @@
+"""Crash safety: SIGKILL at random points, overlapping runs, and the lock's release on death."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROWS = 60
+
+
+def runner_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "runner.cli", *map(str, args)]
+
+
+def stored(db: Path) -> dict[str, tuple]:
+    """row id -> (run id, status, extraction, created at), read with a plain sqlite3 connection."""
+    if not db.exists():
+        return {}
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        rows = con.execute("SELECT row_id, run_id, status, extraction_json, created_at_utc FROM results").fetchall()
+    finally:
+        con.close()
+    ids = [r[0] for r in rows]
+    assert len(ids) == len(set(ids)), "a row was stored twice"
+    return {r[0]: r[1:] for r in rows}
+
+
+def count(db: Path) -> int:
+    try:
+        con = sqlite3.connect(db, timeout=30)
+        try:
+            return con.execute("SELECT count(*) FROM results").fetchone()[0]
+        finally:
+            con.close()
+    except sqlite3.OperationalError:
+        return 0  # not created yet
+
+
+def kill_when(proc: subprocess.Popen, db: Path, at_least: int, timeout_s: float = 120) -> None:
+    """SIGKILL proc once `at_least` rows are committed (or when it has ended)."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and count(db) < at_least:
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.005)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture
+def fake_env():
+    return dict(os.environ, RUNNER_FAKE_DELAY_S="0.02")
+
+
+def test_sigkill_at_random_points_then_rerun_stores_each_row_exactly_once(make_job, tmp_path, fake_env):
+    job = make_job(rows=ROWS)
+    db = tmp_path / "out" / "results.sqlite"
+    rng = random.Random(20261129)
+    before: dict[str, tuple] = {}
+    kill_points = sorted(rng.sample(range(1, ROWS - 4), 4))
+    # First a kill during start-up (maybe before anything is stored), then at random row counts.
+    proc = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env)
+    time.sleep(rng.uniform(0.05, 0.5))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for point in kill_points:
+        snapshot = stored(db)
+        for row_id, value in before.items():
+            assert snapshot[row_id] == value, f"{row_id} changed after a kill"
+        before = snapshot
+        proc = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env)
+        kill_when(proc, db, point)
+        assert proc.returncode == -signal.SIGKILL, "the run finished before the kill point"
+    partial = stored(db)
+    assert 0 < len(partial) < ROWS
+    done = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env, timeout=120)
+    assert done.returncode == 0
+    final = stored(db)
+    assert sorted(final) == [f"r{i:03d}" for i in range(ROWS)]
+    for row_id, value in partial.items():
+        assert final[row_id] == value, f"{row_id} was redone"
+    con = sqlite3.connect(db)
+    statuses = [s for (s,) in con.execute("SELECT status FROM runs ORDER BY id")]
+    assert statuses[-1] == "completed" and set(statuses[:-1]) == {"interrupted"}
+
+
+def test_second_run_exits_at_once_while_one_holds_the_lock(make_job, tmp_path, fake_env):
+    job = make_job(rows=ROWS)
+    db = tmp_path / "out" / "results.sqlite"
+    first = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job),
+                             env=dict(fake_env, RUNNER_FAKE_DELAY_S="0.05"))
+    try:
+        while count(db) < 2:
+            assert first.poll() is None
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        second = subprocess.run(runner_cmd("run", "--engine", "fake", job), env=fake_env, capture_output=True,
+                                text=True, timeout=60)
+        assert second.returncode == 75
+        assert second.stderr.startswith("Error: ") and "already running" in second.stderr and "--wait" in second.stderr
+        assert time.monotonic() - t0 < 15
+        # SIGKILL the holder: the kernel drops its flock, so the next run gets in.
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        third = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env, timeout=120)
+        assert third.returncode == 0
+        assert len(stored(db)) == ROWS
+    finally:
+        if first.poll() is None:
+            first.kill()
+
+
+def test_wait_waits_for_the_running_job(make_job, tmp_path, fake_env):
+    job = make_job(rows=20)
+    db = tmp_path / "out" / "results.sqlite"
+    first = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job),
+                             env=dict(fake_env, RUNNER_FAKE_DELAY_S="0.05"))
+    while count(db) < 2:
+        time.sleep(0.01)
+    second = subprocess.run(runner_cmd("run", "--wait", "--engine", "fake", job), env=fake_env,
+                            capture_output=True, text=True, timeout=120)
+    assert first.wait() == 0
+    assert second.returncode == 0, second.stderr
+    assert "0 run, 20 already done" in second.stdout  # it started only after the first had finished
+    assert len(stored(db)) == 20
+
+
+def test_sigterm_stores_finished_rows_and_marks_the_run_interrupted(make_job, tmp_path, fake_env):
+    job = make_job(rows=ROWS, job={"output": {"database": "out/results.sqlite", "commit_every_rows": 1000}})
+    db = tmp_path / "out" / "results.sqlite"
+    proc = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while True:  # wait until the run is generating (its run row exists)
+        try:
+            con = sqlite3.connect(db, timeout=30)
+            if con.execute("SELECT count(*) FROM runs").fetchone()[0]:
+                break
+        except sqlite3.OperationalError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Error: stopped by signal SIGTERM" in err
+    rows = stored(db)
+    assert 0 < len(rows) < ROWS  # the open commit batch was written on the way out
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]

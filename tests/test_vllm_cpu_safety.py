@@ -1,0 +1,68 @@
+"""Crash safety and isolation on real vLLM (CPU): a SIGKILL mid-run, a broken model, no network."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_crash_safety import kill_when, runner_cmd, stored
+
+pytestmark = pytest.mark.vllm
+
+
+def test_sigkill_mid_run_then_rerun_finishes_each_row_once(make_job, tmp_path):
+    job = make_job(rows=12, job={"output": {"database": "out/results.sqlite", "commit_every_rows": 2}})
+    db = tmp_path / "out" / "results.sqlite"
+    proc = subprocess.Popen(runner_cmd("run", "--quiet", job), stderr=subprocess.DEVNULL)
+    kill_when(proc, db, at_least=2, timeout_s=300)
+    assert proc.returncode == -signal.SIGKILL
+    before = stored(db)
+    assert 2 <= len(before) < 12
+    done = subprocess.run(runner_cmd("run", "--quiet", job), stderr=subprocess.DEVNULL, timeout=300)
+    assert done.returncode == 0
+    after = stored(db)
+    assert sorted(after) == [f"r{i:03d}" for i in range(12)]
+    assert all(after[k] == v for k, v in before.items())  # rows finished before the kill are unchanged
+    con = sqlite3.connect(db)
+    assert [s for (s,) in con.execute("SELECT status FROM runs ORDER BY id")] == ["interrupted", "completed"]
+
+
+def test_engine_that_fails_to_start_exits_5_and_records_the_failed_run(make_job, tmp_path, model_dir):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
+        shutil.copy(model_dir / name, broken / name)
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)  # not a safetensors file
+    job = make_job(rows=3, engine={"model": str(broken)})
+    result = subprocess.run(runner_cmd("run", job), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 5
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: vLLM failed to start with model") and str(broken) in last
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT status FROM runs").fetchall() == [("failed",)]
+    assert con.execute("SELECT count(*) FROM results").fetchone()[0] == 0
+
+
+def test_runs_with_networking_cut_off(make_job, tmp_path):
+    """The whole run in a network namespace of its own, with only loopback: it must not need the network."""
+    if shutil.which("unshare") is None:
+        pytest.fail("util-linux's unshare is needed for this test")
+    job = make_job(rows=4)
+    probe = [sys.executable, "-c", "import socket; s = socket.socket(); s.settimeout(3); print(s.connect_ex(('8.8.8.8', 53)))"]
+    isolated = subprocess.run(["unshare", "--net", "--", *probe], capture_output=True, text=True, timeout=60)
+    assert isolated.returncode == 0, isolated.stderr  # the namespace works here...
+    assert isolated.stdout.strip() != "0"  # ...and reaches nothing outside
+    # Only loopback, and up: vLLM's CPU workers talk to each other over 127.0.0.1.
+    command = "ip link set lo up && exec " + " ".join(runner_cmd("run", job))
+    result = subprocess.run(["unshare", "--net", "--", "sh", "-c", command], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT count(*) FROM results").fetchone()[0] == 4
+    settings = json.loads(con.execute("SELECT engine_settings_json FROM runs").fetchone()[0])
+    assert settings["enable_prefix_caching"] is True
