@@ -6,19 +6,24 @@ import sqlite3
 
 import jsonschema
 import pytest
-from click.testing import CliRunner
-
-from runner.cli import cli
 from tests.conftest import SCHEMA
+from tests.test_crash_safety import runner_cmd
 
 pytestmark = pytest.mark.vllm
 
 
+def run_cli(*args):
+    """Each real run in its own process, as users run it (vLLM does not restart cleanly in one process)."""
+    import subprocess
+
+    return subprocess.run(runner_cmd(*args), capture_output=True, text=True, timeout=600)
+
+
 def test_real_run_stores_valid_rows_and_engine_stats(make_job, tmp_path):
     job = make_job(rows=8)
-    result = CliRunner().invoke(cli, ["run", str(job)], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    assert "Results:" in result.output
+    result = run_cli("run", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Results:" in result.stdout and "prefix-cache hit rate" in result.stdout
 
     con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
     con.row_factory = sqlite3.Row
@@ -41,3 +46,16 @@ def test_real_run_stores_valid_rows_and_engine_stats(make_job, tmp_path):
     assert run["status"] == "completed" and run["engine_backend"] == "vllm"
     settings = json.loads(run["engine_settings_json"])
     assert settings["enable_prefix_caching"] is True and settings["speculative_config"]["method"] == "ngram"
+
+
+def test_real_retry_with_a_larger_budget(make_job, tmp_path):
+    # 8 tokens cannot hold the JSON object: every first attempt is cut off, then retried with 96.
+    job = make_job(rows=4, job={"sampling": {"temperature": 0, "max_tokens": 8, "retry_max_tokens": 96}})
+    result = run_cli("run", "--quiet", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    rows = con.execute("SELECT status, attempts, first_status, completion_tokens FROM results").fetchall()
+    assert len(rows) == 4
+    assert all(attempts == 2 and first == "truncated" for _, attempts, first, _ in rows)
+    assert sum(status == "ok" for status, *_ in rows) >= 3
+    assert all(tokens > 8 for *_, tokens in rows)  # the second attempt had the larger budget
