@@ -85,7 +85,12 @@ def m001_initial(conn: Connection) -> None:
         )""")
 
 
-MIGRATIONS = [m001_initial]
+def m002_engine_choice(conn: Connection) -> None:
+    # What the run chose and adapted: speculative calibration, KV admission per engine.
+    conn.exec_driver_sql("ALTER TABLE run_stats ADD COLUMN engine_choice_json TEXT")
+
+
+MIGRATIONS = [m001_initial, m002_engine_choice]
 
 
 def utc_now() -> str:

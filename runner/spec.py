@@ -9,7 +9,7 @@ import hashlib
 import json
 import string
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
@@ -46,6 +46,15 @@ class SpeculativeSpec(BaseModel):
     num_speculative_tokens: int = Field(ge=1)
 
 
+class CalibrationSpec(Strict):
+    """How `speculative: auto` measures the job (see runner/calibrate.py)."""
+
+    rows: int = Field(default=128, ge=1, description="rows in each measured slice")
+    max_draft_tokens: int = Field(default=6, ge=1)
+    min_draft_tokens: int = Field(default=2, ge=1)
+    ngram: dict[str, Any] = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
 class EngineConfig(Strict):
     model: str = Field(description="model folder (relative to the config file) or builtin:NAME")
     dtype: str = "auto"
@@ -60,8 +69,10 @@ class EngineConfig(Strict):
     enforce_eager: bool = False
     tensor_parallel_size: int = Field(default=1, ge=1)
     in_process: bool = Field(default=False, description="run vLLM's engine core in this process")
-    speculative: Optional[SpeculativeSpec] = None
+    speculative: Union[SpeculativeSpec, Literal["auto"], None] = None
+    calibration: CalibrationSpec = CalibrationSpec()
     structured_output_backend: Literal["auto", "xgrammar", "guidance", "outlines"] = "xgrammar"
+    kv_admission: bool = Field(default=True, description="admit requests only while the KV cache can hold them")
     warm_prefix: bool = Field(default=True, description="send a group's first request alone, then the rest")
     max_in_flight: Optional[int] = Field(
         default=None, ge=1, description="requests kept queued in the engine; default 4 x max_num_seqs"

@@ -59,3 +59,27 @@ def test_real_retry_with_a_larger_budget(make_job, tmp_path):
     assert all(attempts == 2 and first == "truncated" for _, attempts, first, _ in rows)
     assert sum(status == "ok" for status, *_ in rows) >= 3
     assert all(tokens > 8 for *_, tokens in rows)  # the second attempt had the larger budget
+
+
+def test_real_auto_speculation_and_kv_admission(make_job, tmp_path):
+    from tests.conftest import SYSTEM_B, write_docs
+
+    # One group whose answers copy the document, so that ngram drafts find matches in a short slice.
+    docs = write_docs(tmp_path / "data" / "docs.parquet", 14, systems=(SYSTEM_B,))
+    job = make_job(docs=docs, engine={"speculative": "auto", "calibration": {"rows": 6, "max_draft_tokens": 4}})
+    result = run_cli("run", "--quiet", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 14
+    choice = json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
+    cal = choice["speculative_calibration"]
+    spec_phase, plain_phase = cal["phases"][:2]
+    assert spec_phase["draft_tokens_setting"] == 4 and spec_phase["counters"]["spec_drafts"] > 0
+    assert len(spec_phase["acceptance_by_position"]) == 4 and 0 < spec_phase["acceptance_by_position"][0] <= 1
+    assert plain_phase["draft_tokens_setting"] == 0 and plain_phase["counters"]["spec_drafts"] == 0
+    assert cal["chosen_draft_tokens"] in (0, 2, 3, 4)
+    # vLLM told the runner how many KV blocks it has, and the runner stored what it admitted under.
+    assert all(e["kv_total_blocks"] > 0 and e["kv_block_tokens"] == 32 for e in choice["engines"])
+    settings = json.loads(con.execute("SELECT engine_settings_json FROM runs").fetchone()[0])
+    chosen = cal["chosen_draft_tokens"]
+    assert settings.get("speculative_config", {}).get("num_speculative_tokens", 0) == chosen

@@ -16,6 +16,7 @@ class Request:
     group_key: str
     prompt_token_ids: list[int]
     max_tokens: int
+    cacheable_tokens: int = 0  # leading tokens a warm prefix cache holds for it (see plan.PrefixCacheBound)
 
 
 @dataclass
@@ -43,9 +44,25 @@ class EngineCounters:
     spec_draft_tokens: int = 0  # vllm:spec_decode_num_draft_tokens
     spec_accepted_tokens: int = 0  # vllm:spec_decode_num_accepted_tokens
     preemptions: int = 0  # vllm:num_preemptions
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # vllm:spec_decode_num_accepted_tokens_per_pos
+
+    def _combine(self, other: "EngineCounters", sign: int) -> "EngineCounters":
+        out = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, list):
+                n = max(len(a), len(b))
+                a, b = a + [0] * (n - len(a)), b + [0] * (n - len(b))
+                out[f.name] = [x + sign * y for x, y in zip(a, b)]
+            else:
+                out[f.name] = a + sign * b
+        return EngineCounters(**out)
 
     def __sub__(self, other: "EngineCounters") -> "EngineCounters":
-        return EngineCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+        return self._combine(other, -1)
+
+    def __add__(self, other: "EngineCounters") -> "EngineCounters":
+        return self._combine(other, 1)
 
 
 @dataclass
@@ -66,6 +83,10 @@ class Engine(Protocol):
 
     def counters(self) -> EngineCounters:
         """Cumulative counters since the engine started."""
+        ...
+
+    def adaptation(self) -> dict:
+        """What the engine adapted while running, stored with the run's stats."""
         ...
 
     def close(self) -> None:

@@ -83,7 +83,10 @@ class FakeEngine:
                              cached_prompt_tokens=cached, latency_ms=self.delay_s * 1000)
 
     def counters(self) -> EngineCounters:
-        return EngineCounters(**vars(self._totals))
+        return self._totals + EngineCounters()
+
+    def adaptation(self) -> dict:
+        return {}
 
     def close(self) -> None:
         pass

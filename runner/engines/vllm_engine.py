@@ -10,12 +10,13 @@ import itertools
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
+from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, EngineCounters, EngineInfo, Request
 from runner.errors import EngineError, ModelError
 from runner.models import cache_root, is_model_dir
-from runner.spec import EngineConfig, SamplingSpec
+from runner.spec import EngineConfig, SamplingSpec, SpeculativeSpec
 
 _COUNTERS = {
     "vllm:prompt_tokens": "prompt_tokens",
@@ -44,8 +45,7 @@ def offline_environment(in_process: bool) -> dict[str, str]:
         "TORCHINDUCTOR_CACHE_DIR": str(cache_root() / "inductor"),
         "VLLM_LOGGING_LEVEL": "WARNING",
     }
-    if in_process:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     return env | {k: v for k, v in defaults.items() if k not in os.environ}
 
 
@@ -68,7 +68,7 @@ def llm_kwargs(cfg: EngineConfig, model_path: Path, seed: int | None) -> dict[st
                  "max_num_batched_tokens", "block_size"):
         if getattr(cfg, name) is not None:
             kw[name] = getattr(cfg, name)
-    if cfg.speculative is not None:
+    if isinstance(cfg.speculative, SpeculativeSpec):
         kw["speculative_config"] = cfg.speculative.model_dump()
     if seed is not None:
         kw["seed"] = seed
@@ -98,6 +98,8 @@ class VllmEngine:
         except Exception as exc:  # vLLM raises many types while starting
             raise EngineError(f"vLLM failed to start with model {model_path}: {exc.__class__.__name__}: {exc}") from None
         self.load_s = time.perf_counter() - started
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        self.budget = KvBudget(cache.num_gpu_blocks if cfg.kv_admission else None, cache.block_size)
         self._params: dict[int, Any] = {}
         self._ids = itertools.count()
         self.info = EngineInfo(backend="vllm", version=vllm.__version__,
@@ -118,46 +120,55 @@ class VllmEngine:
         return sp
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
-        """Stream requests through the engine, keeping up to max_in_flight queued.
+        """Stream requests through the engine; yield each row as it finishes.
 
+        Admission: at most max_in_flight requests, and only while the KV budget holds them.
         With warm_prefix, the first request of a group goes alone and the rest of its group waits
         until that leader's prefill is done: requests scheduled in the same step as their prefix is
         computed cannot hit the cache, so without the wait a whole first wave would miss it.
         """
-        engine = self.llm.llm_engine
+        engine, budget = self.llm.llm_engine, self.budget
         source = iter(requests)
-        pending: dict[str, tuple[Request, float, object]] = {}
+        pending: dict[str, tuple[Request, float, object, int]] = {}  # id -> (request, start, id vLLM gave, blocks)
         internal: dict[str, str] = {}  # some versions report an internal id in outputs
         leaders: dict[str, str] = {}  # request id -> group whose prefix it is computing
-        held: dict[str, list[Request]] = {}  # group -> requests waiting for their leader
+        held: dict[str, list[tuple[Request, int]]] = {}  # group -> requests waiting for their leader
         warm: set[str] = set()
-        released: list[Request] = []
+        released: list[tuple[Request, int]] = []
+        lookahead: Optional[Request] = None  # pulled, but waiting for KV blocks
         n_held = 0
         exhausted = False
         while True:
-            to_submit: list[tuple[Request, bool]] = [(r, False) for r in released]
+            to_submit: list[tuple[Request, bool, int]] = [(r, False, b) for r, b in released]
             released = []
             while not exhausted and len(pending) + n_held + len(to_submit) < self.max_in_flight:
-                req = next(source, None)
+                req, lookahead = lookahead or next(source, None), None
                 if req is None:
                     exhausted = True
                     break
+                blocks = budget.need(req)
+                if not budget.can_admit(blocks):
+                    lookahead = req
+                    budget.deferred += 1
+                    break
+                budget.admit(req, blocks)
                 key = req.group_key
                 if self.cfg.warm_prefix and key not in warm:
                     if key in held:
-                        held[key].append(req)
+                        held[key].append((req, blocks))
                         n_held += 1
                         continue
                     held[key] = []
-                    to_submit.append((req, True))
+                    to_submit.append((req, True, blocks))
                 else:
-                    to_submit.append((req, False))
-            for req, is_leader in to_submit:
+                    to_submit.append((req, False, blocks))
+            for req, is_leader, blocks in to_submit:
                 rid = f"{req.row_id}#{next(self._ids)}"
                 try:
                     got = engine.add_request(rid, {"prompt_token_ids": req.prompt_token_ids},
                                              self._sampling_params(req.max_tokens))
                 except Exception as exc:  # a bad request is an error row, not a crashed batch
+                    budget.release(blocks, None)
                     if is_leader:  # its group goes on without a warmed prefix
                         warm.add(req.group_key)
                         followers = held.pop(req.group_key)
@@ -166,13 +177,13 @@ class VllmEngine:
                     yield Completion(req.row_id, prompt_tokens=len(req.prompt_token_ids),
                                      error=f"rejected by vLLM: {exc.__class__.__name__}: {exc}")
                     continue
-                pending[rid] = (req, time.perf_counter(), got)
+                pending[rid] = (req, time.perf_counter(), got, blocks)
                 if isinstance(got, str) and got != rid:
                     internal[got] = rid
                 if is_leader:
                     leaders[rid] = req.group_key
             if not pending:
-                if released:
+                if released or (lookahead is not None):
                     continue
                 if exhausted:
                     return
@@ -191,9 +202,13 @@ class VllmEngine:
                     released += followers
                 if not out.finished:
                     continue
-                req, t0, got = pending.pop(rid)
+                req, t0, got, blocks = pending.pop(rid)
                 internal.pop(got, None)
-                yield self._completion(req, out, t0)
+                done = self._completion(req, out, t0)
+                budget.release(blocks, done.completion_tokens)
+                if done.preemptions:
+                    budget.on_preemption()
+                yield done
 
     @staticmethod
     def _completion(req: Request, out, t0: float) -> Completion:
@@ -217,7 +232,15 @@ class VllmEngine:
             value = getattr(m, "value", None)
             if name and isinstance(value, (int, float)):
                 setattr(totals, name, getattr(totals, name) + int(value))
+            elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                per_pos = list(getattr(m, "values", []) or [])
+                totals.spec_accepted_per_pos = [a + b for a, b in
+                                                itertools.zip_longest(totals.spec_accepted_per_pos, per_pos, fillvalue=0)]
         return totals
+
+    def adaptation(self) -> dict:
+        """What the engine adapted while running (KV admission), for the run's stats."""
+        return self.budget.describe()
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

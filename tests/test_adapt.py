@@ -1,0 +1,106 @@
+"""Adapting to the job: the KV admission budget and the speculative-decoding choice (pure logic + fake engine)."""
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from runner.calibrate import Phase, choose, predict, speculative_config
+from runner.engines.admission import KvBudget
+from runner.engines.base import EngineCounters, Request
+from runner.engines.fake import FakeEngine
+from runner.run import run_job
+from runner.spec import load_job
+from tests.conftest import SCHEMA
+
+
+def req(prompt=100, cacheable=0, max_tokens=64):
+    return Request("r", "g", list(range(prompt)), max_tokens, cacheable)
+
+
+def test_budget_admits_while_blocks_fit_and_always_one():
+    b = KvBudget(total_blocks=20, block_tokens=16)
+    r = req(prompt=100, cacheable=64, max_tokens=60)  # (36 + 60) / 16 -> 6 blocks, +1 partial
+    assert b.need(r) == 7
+    assert b.can_admit(7)
+    b.admit(r, 7)  # reserve: 2 x 4 prefix blocks = 8
+    assert not b.can_admit(7)  # 7 + 7 + 8 > 20
+    b.release(7, completion_tokens=30)
+    assert b.used == 0 and b.can_admit(500)  # an empty engine takes any request
+
+
+def test_budget_learns_the_output_length():
+    b = KvBudget(total_blocks=None, block_tokens=16, min_output_samples=4)
+    assert b.output_estimate(200) == 200
+    for _ in range(4):
+        b.admit(req(), 1)
+        b.release(1, completion_tokens=40)
+    assert b.output_estimate(200) == int(1.3 * 40) + 8
+    assert b.output_estimate(30) == 30
+    assert b.can_admit(10**9)  # unknown cache size: no limit
+
+
+def test_preemption_shrinks_the_budget():
+    b = KvBudget(total_blocks=1000, block_tokens=16)
+    for _ in range(10):
+        b.admit(req(cacheable=32), 50)
+    b.on_preemption()
+    assert b.budget < 500 + 4 and b.preemptions_seen == 1
+    assert b.describe()["kv_budget_blocks"] == b.budget
+
+
+def phase(k, tok_s, drafts=0, per_pos=()):
+    return Phase(k, rows=10, output_tokens=int(tok_s * 10), generation_s=10.0,
+                 counters=EngineCounters(spec_drafts=drafts, spec_accepted_per_pos=list(per_pos)))
+
+
+def test_high_acceptance_small_batch_chooses_speculation():
+    # 90%, 80%, ... acceptance; drafting 6 doubled throughput: every length is predicted, the best kept.
+    spec = phase(6, 200.0, drafts=100, per_pos=[90, 80, 70, 60, 50, 40])
+    plain = phase(0, 100.0)
+    ratios = predict(spec, plain)
+    assert ratios[6] == pytest.approx(2.0) and ratios[0] == 1.0
+    k, record = choose(spec, plain)
+    assert k == max(ratios, key=ratios.get) and k >= 2
+    assert record["chosen_draft_tokens"] == k and len(record["phases"]) == 2
+
+
+def test_speculation_that_costs_throughput_is_turned_off():
+    # Low acceptance, and six drafts took 60% off: no draft length is predicted to pay.
+    spec = phase(6, 40.0, drafts=100, per_pos=[30, 10, 3, 1, 0, 0])
+    k, record = choose(spec, phase(0, 100.0))
+    assert k == 0 and record["relative_throughput"]["6"] == pytest.approx(0.4)
+    assert all(r < 1 for key, r in record["relative_throughput"].items() if key != "0")
+
+
+def test_short_drafts_win_when_acceptance_falls_fast():
+    # The first draft token is accepted often, later ones rarely: fewer drafts cost less to verify.
+    spec = phase(6, 105.0, drafts=100, per_pos=[80, 20, 5, 1, 0, 0])
+    k, _ = choose(spec, phase(0, 100.0), min_draft_tokens=1)
+    assert k in (1, 2)
+
+
+def test_speculative_config_keeps_the_method():
+    base = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    assert speculative_config(base, 0) is None
+    assert speculative_config(base, 3) == base | {"num_speculative_tokens": 3}
+
+
+def test_auto_speculation_calibrates_on_the_jobs_own_rows(make_job):
+    job = load_job(make_job(rows=20, engine={"speculative": "auto", "calibration": {"rows": 4, "max_draft_tokens": 5}}))
+    started = []
+
+    def factory(j):
+        started.append(j.engine.speculative)
+        return FakeEngine(SCHEMA)
+
+    s = run_job(job, engine_factory=factory)
+    assert started[0].num_speculative_tokens == 5 and started[1] is None
+    assert s.stats["rows_total"] == 20
+    con = sqlite3.connect(job.database_path)
+    assert con.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 20
+    choice = json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
+    cal = choice["speculative_calibration"]
+    assert [p["rows"] for p in cal["phases"]][:2] == [4, 4]
+    assert cal["chosen_draft_tokens"] in (0, 5) and len(choice["engines"]) == len(started)
