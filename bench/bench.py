@@ -212,7 +212,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--tight-blocks", type=int, default=1024, help="KV blocks in the tight regime")
-    ap.add_argument("--calibration-rows", type=int, default=128)
+    ap.add_argument("--calibration-rows", type=int, default=64)
     ap.add_argument("--regimes", default="tight,roomy")
     ap.add_argument("--configs", default=",".join(ROOMY_FIRST + AFTER_CHOICE), help="comma-separated subset")
     ap.add_argument("--tight-configs", default="plain,runner,no_grouping")

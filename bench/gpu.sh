@@ -7,7 +7,7 @@ export PYTHONPATH=/tmp/site:$PWD VLLM_CACHE_ROOT=/tmp/vllm-cache RUNNER_CACHE=/t
 case "$1" in
 start)
   setsid nohup python3 bench/bench.py --model /tmp/smollm2 --machine "nvidia-h200 (1x H200 141GB, 16 cores), vllm 0.26.0" \
-    --docs 1024 --prompts 64 --prompt-words 650 --regimes tight,roomy --tight-configs plain,runner \
+    --docs 1024 --prompts 64 --prompt-words 650 --regimes tight,roomy --tight-configs "${TIGHT_CONFIGS:-plain,runner}" \
     --configs "${CONFIGS:-plain,runner,raw_ordered,spec_off,spec_k2,spec_k4,spec_k6,spec_k3,spec_k5,no_grouping}" \
     --out /tmp/bench.json --workdir /tmp/rb > /tmp/bench.log 2>&1 < /dev/null &
   sleep 5; cat /tmp/bench.log ;;
@@ -17,7 +17,8 @@ wait)
     if ! pgrep -f bench/bench.py >/dev/null; then cp /tmp/bench.json /tmp/bench.done 2>/dev/null; echo finished; break; fi
     sleep 5
   done
-  grep -E "docs/s|ERROR" /tmp/bench.log; tail -3 /tmp/bench.log ;;
+  grep -E "docs/s|ERROR" /tmp/bench.log; tail -3 /tmp/bench.log
+  cp /tmp/bench.json /tmp/bench.log "$OUT"/ 2>/dev/null ;;
 collect)
   cp /tmp/bench.json /tmp/bench.log "$OUT"/ 2>/dev/null; ls -la "$OUT" ;;
 esac

@@ -105,17 +105,22 @@ class VllmEngine:
         self.info = EngineInfo(backend="vllm", version=vllm.__version__,
                                settings={k: v for k, v in kw.items() if k != "model"} | {"max_in_flight": self.max_in_flight, "warm_prefix": cfg.warm_prefix})
 
-    def _sampling_params(self, max_tokens: int):
-        sp = self._params.get(max_tokens)
+    def _sampling_params(self, max_tokens: int, leader: bool = False):
+        """Shared params per budget. Only final outputs come back (as in LLM.generate): building
+        cumulative outputs for every running request at every step costs the frontend dearly.
+        A group's leader streams deltas instead, so that its first token can release its group."""
+        key = (max_tokens, leader)
+        sp = self._params.get(key)
         if sp is None:
             from vllm import SamplingParams
-            from vllm.sampling_params import StructuredOutputsParams
+            from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
             so = StructuredOutputsParams(
                 json=self.schema, disable_any_whitespace=self.cfg.structured_output_backend != "auto")
-            sp = self._params[max_tokens] = SamplingParams(
+            sp = self._params[key] = SamplingParams(
                 temperature=self.sampling.temperature, top_p=self.sampling.top_p, max_tokens=max_tokens,
                 seed=self.sampling.seed, structured_outputs=so,
+                output_kind=RequestOutputKind.DELTA if leader else RequestOutputKind.FINAL_ONLY,
             )
         return sp
 
@@ -136,6 +141,7 @@ class VllmEngine:
         warm: set[str] = set()
         released: list[tuple[Request, int]] = []
         lookahead: Optional[Request] = None  # pulled, but waiting for KV blocks
+        deltas: dict[str, tuple[list[str], int]] = {}  # leader id -> (text pieces, tokens) streamed so far
         n_held = 0
         exhausted = False
         while True:
@@ -166,7 +172,7 @@ class VllmEngine:
                 rid = f"{req.row_id}#{next(self._ids)}"
                 try:
                     got = engine.add_request(rid, {"prompt_token_ids": req.prompt_token_ids},
-                                             self._sampling_params(req.max_tokens))
+                                             self._sampling_params(req.max_tokens, is_leader))
                 except Exception as exc:  # a bad request is an error row, not a crashed batch
                     budget.release(blocks, None)
                     if is_leader:  # its group goes on without a warmed prefix
@@ -182,6 +188,7 @@ class VllmEngine:
                     internal[got] = rid
                 if is_leader:
                     leaders[rid] = req.group_key
+                    deltas[rid] = ([], 0)
             if not pending:
                 if released or (lookahead is not None):
                     continue
@@ -200,26 +207,30 @@ class VllmEngine:
                     followers = held.pop(key)
                     n_held -= len(followers)
                     released += followers
+                if rid in deltas:
+                    pieces, n = deltas[rid]
+                    pieces.append(out.outputs[0].text)
+                    deltas[rid] = (pieces, n + len(out.outputs[0].token_ids))
                 if not out.finished:
                     continue
                 req, t0, got, blocks = pending.pop(rid)
                 internal.pop(got, None)
-                done = self._completion(req, out, t0)
+                done = self._completion(req, out, t0, deltas.pop(rid, None))
                 budget.release(blocks, done.completion_tokens)
                 if done.preemptions:
                     budget.on_preemption()
                 yield done
 
     @staticmethod
-    def _completion(req: Request, out, t0: float) -> Completion:
+    def _completion(req: Request, out, t0: float, streamed: Optional[tuple[list[str], int]] = None) -> Completion:
         c = out.outputs[0]
         metrics = getattr(out, "metrics", None)
         return Completion(
             row_id=req.row_id,
-            text=c.text,
+            text="".join(streamed[0]) if streamed else c.text,
             finish_reason=c.finish_reason,
             prompt_tokens=len(out.prompt_token_ids or req.prompt_token_ids),
-            completion_tokens=len(c.token_ids),
+            completion_tokens=streamed[1] if streamed else len(c.token_ids),
             cached_prompt_tokens=out.num_cached_tokens or 0,
             latency_ms=(time.perf_counter() - t0) * 1000.0,
             preemptions=getattr(metrics, "num_preemptions", 0) or 0,
