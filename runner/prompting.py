@@ -40,6 +40,8 @@ class PromptBuilder:
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(tok_file))
+        self._special_strings = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+        self._heads: dict[Optional[str], tuple[list[int], str, str]] = {}
         cfg_file = self.model_dir / "tokenizer_config.json"
         self._tok_cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
 
@@ -69,6 +71,26 @@ class PromptBuilder:
             eos_token=_special(self._tok_cfg.get("eos_token")),
         )
 
+    def prompt_ids(self, system: Optional[str], user: str) -> list[int]:
+        """Token ids of the rendered prompt, the same as encode(render(system, user)), but faster.
+
+        The part up to the last special token before the user's text depends only on the system
+        prompt: it is encoded once per system prompt. Splitting right after a special token is exact,
+        since the tokenizer cuts added tokens out before it tokenizes the text between them.
+        """
+        head = self._heads.get(system)
+        if head is None:
+            rendered = self.render(system, _SENTINEL)
+            cut = rendered.index(_SENTINEL)
+            ends = [rendered.rfind(t, 0, cut) + len(t) for t in self._special_strings if rendered.rfind(t, 0, cut) >= 0]
+            split = max(ends, default=0)
+            if len(self._heads) > 1024:  # bounded: a job with countless system prompts keeps working
+                self._heads.clear()
+            head = self._heads[system] = (self.encode(rendered[:split]) if split else [], rendered[split:cut],
+                                          rendered[cut + len(_SENTINEL):])
+        ids, middle, tail = head
+        return ids + self.encode(middle + user + tail)
+
     def encode(self, text: str) -> list[int]:
         # The template already wrote the special tokens; adding more would break prefix sharing.
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -89,6 +111,9 @@ class PromptBuilder:
                 break
             n += 1
         return n
+
+
+_SENTINEL = "\uE000user-text\uE001"  # private-use characters: never in a template
 
 
 def _special(tok) -> str:

@@ -64,12 +64,12 @@ class RequestBuilder:
 
     def build(self, group: Group, doc: Document) -> Request | Completion:
         b = self.builder
-        ids = b.encode(b.render(group.system_prompt, b.user_text(doc)))
+        ids = b.prompt_ids(group.system_prompt, b.user_text(doc))
         over = len(ids) + self.max_tokens - self.max_len
         if over > 0 and self.job.spec.input.on_too_long == "truncate":
             text_ids = b.encode(doc.text)
             cut = Document(doc.row_id, b.decode(text_ids[: max(len(text_ids) - over - 8, 0)]), doc.system_prompt, doc.fields)
-            ids = b.encode(b.render(group.system_prompt, b.user_text(cut)))
+            ids = b.prompt_ids(group.system_prompt, b.user_text(cut))
             over = len(ids) + self.max_tokens - self.max_len
         if over > 0:
             return Completion(doc.row_id, prompt_tokens=len(ids), error=(

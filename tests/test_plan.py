@@ -80,3 +80,12 @@ def test_prompt_builder_matches_the_models_chat_template(model_dir):
     expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert b.render("Be terse.", "Hello there") == expected
     assert b.encode(expected) == hf(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_fast_prompt_ids_equal_full_encoding(model_dir):
+    b = PromptBuilder(model_dir, "Source: {source}\n\n{text}")
+    system = "You extract fields.\nRules: be exact. " * 20
+    users = ["plain text", " leading space", "\nleading newline", "ünïcödé — dashes", "<|im_end|> inside", ""]
+    for user in users:
+        for sys_prompt in (system, None, "x"):
+            assert b.prompt_ids(sys_prompt, user) == b.encode(b.render(sys_prompt, user)), (sys_prompt, user)

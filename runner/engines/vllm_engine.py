@@ -91,6 +91,7 @@ class VllmEngine:
         self.sampling = sampling
         self.schema = schema
         self.max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
+        self.feed_per_step = max(32, cfg.max_num_seqs // 4)
         kw = llm_kwargs(cfg, model_path, sampling.seed)
         started = time.perf_counter()
         try:
@@ -147,7 +148,11 @@ class VllmEngine:
         while True:
             to_submit: list[tuple[Request, bool, int]] = [(r, False, b) for r, b in released]
             released = []
-            while not exhausted and len(pending) + n_held + len(to_submit) < self.max_in_flight:
+            # Build at most feed_per_step new requests before stepping again: tokenizing the next
+            # ones then overlaps with the engine core working on the last ones.
+            fed = 0
+            while not exhausted and fed < self.feed_per_step and len(pending) + n_held + len(to_submit) < self.max_in_flight:
+                fed += 1
                 req, lookahead = lookahead or next(source, None), None
                 if req is None:
                     exhausted = True
