@@ -47,6 +47,36 @@ def _fmt(v, digits: int = 2, pct: bool = False) -> str:
     return f"{v:,.{digits}f}" if isinstance(v, float) else f"{v:,}"
 
 
+def _open_store(job, db):
+    """The results database named by --job or --db, and the job's name when --job was given."""
+    from runner.errors import SpecError, StoreError
+    from runner.store import Store
+
+    job_name = None
+    if job:
+        from runner.spec import load_job
+
+        spec = load_job(job)
+        db, job_name = spec.database_path, spec.name
+    if not db:
+        raise SpecError("give --job JOB or --db DATABASE")
+    if not Path(db).is_file():
+        raise StoreError(f"{db}: no results database here yet")
+    return Store(db), job_name
+
+
+_db_options = [
+    click.option("--job", "job", type=click.Path(dir_okay=False), help="Job file whose database to read."),
+    click.option("--db", "db", type=click.Path(dir_okay=False), help="Results database to read."),
+]
+
+
+def db_options(fn):
+    for option in reversed(_db_options):
+        fn = option(fn)
+    return fn
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="runner")
 def cli():
@@ -174,8 +204,7 @@ def plan(job):
 
 @cli.command()
 @click.argument("run_id", required=False, type=int)
-@click.option("--job", "job", type=click.Path(dir_okay=False), help="Job file whose database to read.")
-@click.option("--db", "db", type=click.Path(dir_okay=False), help="Results database to read.")
+@db_options
 @click.option("--last", "last", default=1, show_default=True, help="How many recent runs to show.")
 @reports_errors
 def stats(run_id, job, db, last):
@@ -186,23 +215,12 @@ def stats(run_id, job, db, last):
       runner stats --job jobs/summarize.yaml --last 5
       runner stats 3 --db out/summarize.sqlite
     """
-    from runner.errors import SpecError, StoreError
-    from runner.store import Store
+    from runner.errors import StoreError
 
-    job_name = None
-    if job:
-        from runner.spec import load_job
-
-        spec = load_job(job)
-        db, job_name = spec.database_path, spec.name
-    if not db:
-        raise SpecError("give --job JOB or --db DATABASE")
-    if not Path(db).is_file():
-        raise StoreError(f"{db}: no results database here yet")
-    store = Store(db)
+    store, job_name = _open_store(job, db)
     runs = [store.run(run_id)] if run_id is not None else store.latest_runs(job_name, last)
     if not runs or runs[0] is None:
-        raise StoreError(f"{db}: no run {run_id}" if run_id is not None else f"{db}: no runs yet")
+        raise StoreError(f"{store.path}: no run {run_id}" if run_id is not None else f"{store.path}: no runs yet")
     for r in runs:
         s = store.stats(r["id"]) or {}
         counts = store.result_counts(r["id"])
@@ -216,6 +234,50 @@ def stats(run_id, job, db, last):
             ("wall / generation s", f"{_fmt(s.get('wall_s'), 1)} / {_fmt(s.get('generation_s'), 1)}"),
             ("engine", f"{r['engine_backend'] or '-'} {r['engine_version'] or ''} {r['engine_settings_json'] or ''}"),
         ] + ([("error", r["error"])] if r["error"] else [])))
+
+
+@cli.command()
+@click.argument("run_id", type=int)
+@db_options
+@click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False), help="HTML file to write.")
+@reports_errors
+def report(run_id, job, db, output):
+    """Write an HTML report of run RUN_ID: throughput over time, per-group cache hits, statuses, tokens.
+
+    The file is self-contained (plots are inline SVG) and opens in any browser.
+
+    \b
+    Example:
+      runner report 3 --job jobs/summarize.yaml -o report.html
+    """
+    from runner.report import render_report
+
+    store, _ = _open_store(job, db)
+    Path(output).write_text(render_report(store, run_id), encoding="utf-8")
+    click.echo(f"Report: {output}")
+
+
+@cli.command()
+@click.argument("run_id", type=int)
+@db_options
+@click.option("--format", "fmt", type=click.Choice(["parquet", "csv", "jsonl"]), required=True)
+@click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False), help="File to write.")
+@reports_errors
+def export(run_id, job, db, fmt, output):
+    """Export run RUN_ID's results, with the extraction's top-level fields as columns.
+
+    Scalar fields become columns named extraction_FIELD; arrays and objects become JSON text in
+    extraction_FIELD_json.
+
+    \b
+    Example:
+      runner export 3 --job jobs/summarize.yaml --format parquet -o results.parquet
+    """
+    from runner.export import export_run
+
+    store, _ = _open_store(job, db)
+    n = export_run(store, run_id, fmt, Path(output))
+    click.echo(f"Exported {n:,} rows to {output}")
 
 
 @cli.command("prepare-model")

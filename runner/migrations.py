@@ -90,7 +90,21 @@ def m002_engine_choice(conn: Connection) -> None:
     conn.exec_driver_sql("ALTER TABLE run_stats ADD COLUMN engine_choice_json TEXT")
 
 
-MIGRATIONS = [m001_initial, m002_engine_choice]
+def m003_run_samples(conn: Connection) -> None:
+    # Throughput over time, one row every few seconds of a run, for reports.
+    conn.exec_driver_sql("""
+        CREATE TABLE run_samples (
+            run_id INTEGER NOT NULL REFERENCES runs (id),
+            elapsed_s REAL NOT NULL,
+            rows_done INTEGER NOT NULL,
+            prompt_tokens INTEGER NOT NULL,
+            completion_tokens INTEGER NOT NULL,
+            cached_prompt_tokens INTEGER NOT NULL,
+            PRIMARY KEY (run_id, elapsed_s)
+        )""")
+
+
+MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples]
 
 
 def utc_now() -> str:

@@ -22,7 +22,11 @@ from runner.outputs import FAILED, OK, STATUSES, OutputChecker
 from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound, plan_stream
 from runner.prompting import Document, PromptBuilder
 from runner.spec import Job, SpeculativeSpec
+from runner.stats import build_stats
 from runner.store import Store
+
+
+SAMPLE_EVERY_S = 2.0  # throughput samples for reports
 
 
 class Progress(Protocol):
@@ -230,6 +234,8 @@ class _Loop:
         self.buffer: list[dict] = []
         self.counts = {s: 0 for s in STATUSES}
         self.tokens = {"prompt": 0, "completion": 0, "cached": 0}
+        self.samples: list[dict] = []
+        self.t0 = self.last_sample = time.perf_counter()
 
     def requests(self, groups) -> Iterator[Request]:
         for group in groups:
@@ -273,38 +279,22 @@ class _Loop:
         self.tokens["prompt"] += c.prompt_tokens
         self.tokens["completion"] += c.completion_tokens
         self.tokens["cached"] += c.cached_prompt_tokens
+        now = time.perf_counter()
+        if now - self.last_sample >= SAMPLE_EVERY_S:
+            self.sample(now)
         if len(self.buffer) >= self.job.spec.output.commit_every_rows:
             self.flush()
         if self.progress is not None:
             self.progress.update(1)
 
+    def sample(self, now: float) -> None:
+        self.last_sample = now
+        self.samples.append(dict(run_id=self.run_id, elapsed_s=round(now - self.t0, 3), rows_done=sum(self.counts.values()),
+                                 prompt_tokens=self.tokens["prompt"], completion_tokens=self.tokens["completion"],
+                                 cached_prompt_tokens=self.tokens["cached"]))
+
     def flush(self) -> None:
-        self.store.write_results(self.buffer)
-        self.buffer = []
-
-
-def _rate(num: float, den: float) -> Optional[float]:
-    return num / den if den else None
-
-
-def build_stats(counts: dict, tokens: dict, used: EngineCounters, wall_s: float, load_s: float,
-                gen_s: float, plan_share: Optional[float], skipped: int) -> dict:
-    """The run_stats row: rates are per second of generation (engine start excluded)."""
-    rows = sum(counts.values())
-    return dict(
-        rows_total=rows, rows_skipped=skipped,
-        rows_ok=counts["ok"], rows_truncated=counts["truncated"], rows_invalid_json=counts["invalid_json"],
-        rows_schema_mismatch=counts["schema_mismatch"], rows_failed=counts["failed"],
-        prompt_tokens=tokens["prompt"], completion_tokens=tokens["completion"], cached_prompt_tokens=tokens["cached"],
-        wall_s=round(wall_s, 3), engine_load_s=round(load_s, 3), generation_s=round(gen_s, 3),
-        documents_per_s=_rate(rows, gen_s) or 0.0,
-        output_tokens_per_s=_rate(tokens["completion"], gen_s) or 0.0,
-        total_tokens_per_s=_rate(tokens["prompt"] + tokens["completion"], gen_s) or 0.0,
-        prefix_cache_queries=used.prefix_cache_queries, prefix_cache_hits=used.prefix_cache_hits,
-        prefix_cache_hit_rate=_rate(used.prefix_cache_hits, used.prefix_cache_queries),
-        plan_prefix_share=plan_share,
-        spec_drafts=used.spec_drafts, spec_draft_tokens=used.spec_draft_tokens,
-        spec_accepted_tokens=used.spec_accepted_tokens,
-        spec_acceptance_rate=_rate(used.spec_accepted_tokens, used.spec_draft_tokens),
-        preemptions=used.preemptions,
-    )
+        if self.buffer or self.samples:
+            self.sample(time.perf_counter())  # every commit also marks a point on the throughput curve
+        self.store.write_results(self.buffer, self.samples)
+        self.buffer, self.samples = [], []

@@ -41,6 +41,7 @@ class Store:
         self.runs = meta.tables["runs"]
         self.results = meta.tables["results"]
         self.run_stats = meta.tables["run_stats"]
+        self.run_samples = meta.tables["run_samples"]
 
     def close(self) -> None:
         self.engine.dispose()
@@ -79,9 +80,9 @@ class Store:
         with self.engine.connect() as conn:
             return set(conn.execute(select(self.results.c.row_id).where(self.results.c.job_name == job_name)).scalars())
 
-    def write_results(self, rows: list[dict[str, Any]]) -> None:
-        """Upsert a batch of result rows in one transaction (keyed on job and row id)."""
-        if not rows:
+    def write_results(self, rows: list[dict[str, Any]], samples: Optional[list[dict[str, Any]]] = None) -> None:
+        """Upsert a batch of result rows, and any throughput samples, in one transaction."""
+        if not rows and not samples:
             return
         stmt = insert(self.results)
         stmt = stmt.on_conflict_do_update(
@@ -90,7 +91,10 @@ class Store:
         )
         now = utc_now()
         with self._tx() as conn:
-            conn.execute(stmt, [dict(r, created_at_utc=now) for r in rows])
+            if rows:
+                conn.execute(stmt, [dict(r, created_at_utc=now) for r in rows])
+            if samples:
+                conn.execute(insert(self.run_samples).on_conflict_do_nothing(), samples)
 
     def delete_results(self, job_name: str) -> int:
         with self._tx() as conn:
@@ -118,6 +122,11 @@ class Store:
         q = select(self.results.c.status, func.count()).where(self.results.c.run_id == run_id).group_by(self.results.c.status)
         with self.engine.connect() as conn:
             return {s: n for s, n in conn.execute(q)}
+
+    def samples(self, run_id: int) -> list[dict]:
+        q = select(self.run_samples).where(self.run_samples.c.run_id == run_id).order_by(self.run_samples.c.elapsed_s)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
 
     def results_of(self, run_id: int) -> Iterable[dict]:
         with self.engine.connect() as conn:

@@ -12,7 +12,7 @@ from runner.engines.fake import FakeEngine, example_for_schema
 from runner.errors import EngineError
 from runner.run import run_job
 from runner.spec import load_job
-from tests.conftest import SCHEMA, SYSTEM_A, SYSTEM_B
+from tests.conftest import SCHEMA
 
 
 def results(job):

@@ -62,7 +62,7 @@ def test_unique_key_is_in_the_database_not_only_in_code(tmp_path):
 
 def test_run_lifecycle_and_stats(tmp_path):
     from runner.engines.base import EngineCounters
-    from runner.run import build_stats
+    from runner.stats import build_stats
 
     s = Store(tmp_path / "r.sqlite")
     run = s.begin_run("j", "/j.yaml", {"x": 1})

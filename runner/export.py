@@ -1,0 +1,78 @@
+"""Exporting a run's results to Parquet, CSV or JSON Lines, extraction fields as columns."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runner.errors import StoreError
+from runner.store import Store
+
+FORMATS = ("parquet", "csv", "jsonl")
+RESULT_COLUMNS = ["row_id", "group_key", "status", "error", "prompt_tokens", "completion_tokens",
+                  "cached_prompt_tokens", "finish_reason", "latency_ms", "attempts", "first_status", "extraction_json"]
+_SCALARS = {"string", "integer", "number", "boolean"}
+
+
+def flat_fields(schema: dict) -> dict[str, bool]:
+    """Top-level extraction fields -> whether each is a scalar (a plain column) or not (a JSON text column)."""
+    if schema.get("type") != "object":
+        return {}
+    out = {}
+    for name, sub in schema.get("properties", {}).items():
+        kind = sub.get("type")
+        kinds = set(kind) - {"null"} if isinstance(kind, list) else {kind}
+        out[name] = (len(kinds) == 1 and kinds <= _SCALARS) or ("enum" in sub and kind is None)
+    return out
+
+
+def export_run(store: Store, run_id: int, fmt: str, out: Path) -> int:
+    """Write run_id's results to `out`; returns the number of rows."""
+    import pyarrow as pa
+
+    run = store.run(run_id)
+    if run is None:
+        raise StoreError(f"{store.path}: no run {run_id}")
+    schema = json.loads(run["config_json"]).get("output_schema", {})
+    fields = flat_fields(schema)
+    cols: dict[str, list] = {c: [] for c in RESULT_COLUMNS}
+    cols.update({_col(f, scalar): [] for f, scalar in fields.items()})
+    n = 0
+    for r in store.results_of(run_id):
+        n += 1
+        for c in RESULT_COLUMNS:
+            cols[c].append(r[c])
+        value = json.loads(r["extraction_json"]) if r["extraction_json"] else {}
+        for f, scalar in fields.items():
+            v = value.get(f) if isinstance(value, dict) else None
+            cols[_col(f, scalar)].append(v if scalar or v is None else json.dumps(v, ensure_ascii=False))
+    table = pa.table({c: _array(v) for c, v in cols.items()})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, out)
+    elif fmt == "csv":
+        import pyarrow.csv as pcsv
+
+        pcsv.write_csv(table, out)
+    elif fmt == "jsonl":
+        with out.open("w", encoding="utf-8") as fh:
+            for row in table.to_pylist():
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    else:
+        raise StoreError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    return n
+
+
+def _col(field: str, scalar: bool) -> str:
+    return f"extraction_{field}" if scalar else f"extraction_{field}_json"
+
+
+def _array(values: list):
+    """An Arrow column; a field whose values mix types (a model may answer 3 or 3.5) becomes text."""
+    import pyarrow as pa
+
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return pa.array([None if v is None else str(v) for v in values], pa.string())

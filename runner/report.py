@@ -1,0 +1,136 @@
+"""One self-contained HTML report of a run: numbers and inline SVG plots, no external files."""
+from __future__ import annotations
+
+import html
+import json
+from collections import defaultdict
+from statistics import mean
+
+from runner.errors import StoreError
+from runner.store import Store
+
+SECTIONS = ("summary", "throughput", "prefix-cache", "status", "tokens", "slowest-groups")
+_W, _H, _PAD = 640, 220, 40
+_COLORS = {"ok": "#2e7d32", "truncated": "#f9a825", "invalid_json": "#ef6c00", "schema_mismatch": "#c62828",
+           "failed": "#6a1b9a"}
+
+
+def _esc(v) -> str:
+    return html.escape(str(v))
+
+
+def bar_chart(labels: list[str], values: list[float], fmt=lambda v: f"{v:g}", colors: list[str] | None = None) -> str:
+    """Horizontal bars, one per label."""
+    if not labels:
+        return "<p>No data.</p>"
+    top = max(max(values), 1e-9)
+    row_h = 22
+    h = row_h * len(labels) + 10
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{h}" role="img">']
+    for i, (label, v) in enumerate(zip(labels, values)):
+        y = 5 + i * row_h
+        w = (_W - 260) * v / top
+        color = (colors or ["#1565c0"] * len(labels))[i]
+        parts.append(f'<text x="0" y="{y + 15}" font-size="12">{_esc(label)[:24]}</text>'
+                     f'<rect x="170" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}" fill="{color}"/>'
+                     f'<text x="{175 + w:.1f}" y="{y + 15}" font-size="12">{_esc(fmt(v))}</text>')
+    return "".join(parts) + "</svg>"
+
+
+def line_chart(xs: list[float], ys: list[float], x_label: str, y_label: str) -> str:
+    if len(xs) < 2:
+        return "<p>Too few samples for a curve (the run was shorter than the sampling interval).</p>"
+    x0, x1, y1 = min(xs), max(xs), max(max(ys), 1e-9)
+    sx = lambda x: _PAD + (_W - 2 * _PAD) * (x - x0) / ((x1 - x0) or 1)
+    sy = lambda y: _H - _PAD + (-(_H - 2 * _PAD) * y / y1)
+    pts = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys))
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" role="img">'
+            f'<line x1="{_PAD}" y1="{_H - _PAD}" x2="{_W - _PAD}" y2="{_H - _PAD}" stroke="#444"/>'
+            f'<line x1="{_PAD}" y1="{_PAD}" x2="{_PAD}" y2="{_H - _PAD}" stroke="#444"/>'
+            f'<polyline points="{pts}" fill="none" stroke="#1565c0" stroke-width="2"/>'
+            f'<text x="{_W / 2}" y="{_H - 8}" font-size="12" text-anchor="middle">{_esc(x_label)}</text>'
+            f'<text x="4" y="{_PAD - 10}" font-size="12">{_esc(y_label)} (max {y1:.2f})</text>'
+            f'<text x="{_PAD}" y="{_H - _PAD + 14}" font-size="11">{x0:.0f}</text>'
+            f'<text x="{_W - _PAD}" y="{_H - _PAD + 14}" font-size="11" text-anchor="end">{x1:.0f}</text></svg>')
+
+
+def histogram(values: list[int], bins: int = 12) -> str:
+    if not values:
+        return "<p>No data.</p>"
+    lo, hi = min(values), max(values)
+    width = max((hi - lo) / bins, 1)
+    counts = [0] * bins
+    for v in values:
+        counts[min(int((v - lo) / width), bins - 1)] += 1
+    labels = [f"{lo + i * width:.0f}–{lo + (i + 1) * width:.0f}" for i in range(bins)]
+    return bar_chart(labels, counts, fmt=lambda v: f"{v:.0f}")
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def render_report(store: Store, run_id: int) -> str:
+    """The report page of one run, as an HTML string."""
+    run = store.run(run_id)
+    if run is None:
+        raise StoreError(f"{store.path}: no run {run_id}")
+    stats = store.stats(run_id) or {}
+    rows = list(store.results_of(run_id))
+    samples = store.samples(run_id)
+
+    by_status = defaultdict(int)
+    groups: dict[str, dict] = defaultdict(lambda: {"rows": 0, "prompt": 0, "cached": 0, "latency": []})
+    for r in rows:
+        by_status[r["status"]] += 1
+        g = groups[r["group_key"]]
+        g["rows"] += 1
+        g["prompt"] += r["prompt_tokens"]
+        g["cached"] += r["cached_prompt_tokens"]
+        g["latency"].append(r["latency_ms"])
+
+    # Throughput: documents/s between consecutive samples.
+    xs, ys = [], []
+    for a, b in zip(samples, samples[1:]):
+        dt = b["elapsed_s"] - a["elapsed_s"]
+        if dt > 0:
+            xs.append(b["elapsed_s"])
+            ys.append((b["rows_done"] - a["rows_done"]) / dt)
+
+    group_keys = sorted(groups, key=lambda k: -groups[k]["rows"])
+    hit = [groups[k]["cached"] / groups[k]["prompt"] if groups[k]["prompt"] else 0 for k in group_keys]
+    slow = sorted(group_keys, key=lambda k: -mean(groups[k]["latency"]))[:10]
+    settings = json.loads(run["engine_settings_json"] or "{}")
+    summary = [
+        ("job", run["job_name"]), ("status", run["status"]), ("started (UTC)", run["started_at_utc"]),
+        ("ended (UTC)", run["ended_at_utc"] or "-"), ("rows", len(rows)),
+        ("documents/s", f"{stats.get('documents_per_s', 0):.2f}" if stats else "-"),
+        ("output tok/s", f"{stats.get('output_tokens_per_s', 0):.1f}" if stats else "-"),
+        ("prefix-cache hit rate", f"{_pct(stats.get('prefix_cache_hit_rate'))} (plan bound {_pct(stats.get('plan_prefix_share'))})"),
+        ("speculative acceptance", _pct(stats.get("spec_acceptance_rate"))),
+        ("wall / generation s", f"{stats.get('wall_s', 0):.1f} / {stats.get('generation_s', 0):.1f}" if stats else "-"),
+        ("engine", f"{run['engine_backend'] or '-'} {run['engine_version'] or ''}"),
+        ("max_num_seqs", settings.get("max_num_seqs", "-")),
+        ("speculation", json.dumps(settings.get("speculative_config")) if settings.get("speculative_config") else "off"),
+    ]
+    slow_rows = "".join(
+        f"<tr><td>{_esc(k)}</td><td>{groups[k]['rows']}</td><td>{mean(groups[k]['latency']):.0f}</td>"
+        f"<td>{max(groups[k]['latency']):.0f}</td></tr>" for k in slow)
+    statuses = sorted(by_status, key=lambda s: -by_status[s])
+    body = [
+        f'<section id="summary"><h2>Summary</h2><table>'
+        + "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in summary) + "</table></section>",
+        f'<section id="throughput"><h2>Throughput over time</h2>{line_chart(xs, ys, "seconds since start", "documents/s")}</section>',
+        f'<section id="prefix-cache"><h2>Prefix-cache hit rate by group</h2>'
+        f'{bar_chart(group_keys, hit, fmt=lambda v: f"{100 * v:.1f}%")}</section>',
+        f'<section id="status"><h2>Rows by status</h2>'
+        f'{bar_chart(statuses, [by_status[s] for s in statuses], fmt=lambda v: f"{v:.0f}", colors=[_COLORS.get(s, "#555") for s in statuses])}</section>',
+        f'<section id="tokens"><h2>Token counts</h2><h3>Prompt tokens per row</h3>{histogram([r["prompt_tokens"] for r in rows])}'
+        f'<h3>Completion tokens per row</h3>{histogram([r["completion_tokens"] for r in rows])}</section>',
+        f'<section id="slowest-groups"><h2>Slowest groups</h2><table><tr><th>group</th><th>rows</th>'
+        f'<th>mean latency ms</th><th>max latency ms</th></tr>{slow_rows}</table></section>',
+    ]
+    style = ("body{font-family:sans-serif;margin:2em;max-width:760px}th{text-align:left;padding-right:1em}"
+             "section{margin-bottom:2em}td{padding-right:1em}")
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>runner report: run {run_id}</title>"
+            f"<style>{style}</style></head><body><h1>Run {run_id}: {_esc(run['job_name'])}</h1>{''.join(body)}</body></html>")
