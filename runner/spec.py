@@ -104,6 +104,19 @@ class OutputSpec(Strict):
     commit_every_rows: int = Field(default=64, ge=1)
 
 
+class RaySpec(Strict):
+    """Where and how the `ray` executor runs engine replicas."""
+
+    address: Optional[str] = Field(default=None, description="Ray cluster address; default RAY_ADDRESS, else a local cluster")
+    replicas: int = Field(default=1, ge=1)
+    gpus_per_replica: float = Field(default=1, ge=0, description="0 for CPU-only replicas")
+    cpus_per_replica: float = Field(default=1, ge=0)
+    local_num_cpus: Optional[int] = Field(default=None, ge=1, description="logical CPUs of a local cluster")
+    object_store_memory_bytes: int = Field(default=512 << 20, ge=64 << 20)
+    group_chunk_rows: int = Field(default=512, ge=1, description="rows of one group sent to a replica before it may move")
+    env: dict[str, str] = Field(default={}, description="environment variables for the replicas")
+
+
 class JobFile(Strict):
     """The job YAML as written; paths still relative to the job file."""
 
@@ -115,6 +128,8 @@ class JobFile(Strict):
     sampling: SamplingSpec = SamplingSpec()
     output: OutputSpec
     plan_window_rows: int = Field(default=8192, ge=1, description="rows grouped together at once")
+    executor: Literal["local", "ray"] = "local"
+    ray: RaySpec = RaySpec()
 
     @field_validator("output_schema")
     @classmethod
@@ -149,6 +164,12 @@ class Job(BaseModel):
         from runner.plan import DEFAULT_BLOCK_TOKENS
 
         return self.engine.block_size or DEFAULT_BLOCK_TOKENS
+
+    def with_executor(self, executor: Optional[str]) -> "Job":
+        """The job run by another executor (the CLI's --executor)."""
+        if not executor or executor == self.spec.executor:
+            return self
+        return self.model_copy(update={"spec": self.spec.model_copy(update={"executor": executor})})
 
     def snapshot(self) -> dict[str, Any]:
         """The resolved configuration, as stored with each run."""

@@ -7,7 +7,8 @@ __all__ = ["Completion", "Engine", "EngineCounters", "EngineInfo", "Request", "b
 
 
 def build_engine(job, kind: str = "vllm") -> Engine:
-    """The engine a job runs on: `vllm` (real), or `fake` (tests of the runner's own logic)."""
+    """The engine a job runs on: `vllm` (real; replicas on Ray with `executor: ray`), or `fake`
+    (tests of the runner's own logic)."""
     if kind == "fake":
         import os
 
@@ -16,6 +17,10 @@ def build_engine(job, kind: str = "vllm") -> Engine:
         # RUNNER_FAKE_DELAY_S slows the fake engine down so that tests can kill a run midway.
         delay = float(os.environ.get("RUNNER_FAKE_DELAY_S", "0"))
         return FakeEngine(job.output_schema, block_tokens=job.block_tokens, delay_s=delay)
+    if job.spec.executor == "ray":
+        from runner.ray_executor import RayEngine
+
+        return RayEngine(job)
     from runner.engines.vllm_engine import VllmEngine
 
     return VllmEngine(job.engine, job.model_path, job.spec.sampling, job.output_schema)

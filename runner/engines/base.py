@@ -19,6 +19,9 @@ class Request:
     cacheable_tokens: int = 0  # leading tokens a warm prefix cache holds for it (see plan.PrefixCacheBound)
 
 
+PAUSE = Request("", "", [], 0)  # a source may yield this: "nothing to add now, keep stepping"
+
+
 @dataclass
 class Completion:
     row_id: str

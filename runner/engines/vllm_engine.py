@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from runner.engines.admission import KvBudget
-from runner.engines.base import Completion, EngineCounters, EngineInfo, Request
+from runner.engines.base import PAUSE, Completion, EngineCounters, EngineInfo, Request
 from runner.errors import EngineError, ModelError
 from runner.models import cache_root, is_model_dir
 from runner.spec import EngineConfig, SamplingSpec, SpeculativeSpec
@@ -125,7 +125,7 @@ class VllmEngine:
             )
         return sp
 
-    def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
+    def generate(self, requests: Iterable[Request]) -> Iterator[Optional[Completion]]:
         """Stream requests through the engine; yield each row as it finishes.
 
         Admission: at most max_in_flight requests, and only while the KV budget holds them.
@@ -151,11 +151,15 @@ class VllmEngine:
             # Build at most feed_per_step new requests before stepping again: tokenizing the next
             # ones then overlaps with the engine core working on the last ones.
             fed = 0
+            paused = False
             while not exhausted and fed < self.feed_per_step and len(pending) + n_held + len(to_submit) < self.max_in_flight:
                 fed += 1
                 req, lookahead = lookahead or next(source, None), None
                 if req is None:
                     exhausted = True
+                    break
+                if req is PAUSE:  # a live source with nothing new yet (see runner/ray_executor.py)
+                    paused = True
                     break
                 blocks = budget.need(req)
                 if not budget.can_admit(blocks):
@@ -199,6 +203,8 @@ class VllmEngine:
                     continue
                 if exhausted:
                     return
+                if paused:
+                    yield None  # idle heartbeat: a live source's owner may add work or stop here
                 continue
             try:
                 outputs = engine.step()
