@@ -17,7 +17,8 @@ def invoke():
     return go
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["validate"], ["plan"], ["stats"], ["prepare-model"]])
+@pytest.mark.parametrize("command", [[], ["run"], ["validate"], ["plan"], ["stats"], ["report"], ["export"],
+                                     ["prepare-model"]])
 def test_every_command_has_help_with_an_example(invoke, command):
     out = invoke(*command, "--help")
     assert out.exit_code == 0
