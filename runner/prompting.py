@@ -91,6 +91,15 @@ class PromptBuilder:
         ids, middle, tail = head
         return ids + self.encode(middle + user + tail)
 
+    def prompt_ids_batch(self, system: Optional[str], users: list[str]) -> list[list[int]]:
+        """prompt_ids for many user texts under one system prompt; the tokenizer runs them in parallel."""
+        if not users:
+            return []
+        first = self.prompt_ids(system, users[0])  # fills the head cache for this system prompt
+        ids, middle, tail = self._heads[system]
+        rest = self.encode_batch([middle + u + tail for u in users[1:]])
+        return [first] + [ids + r for r in rest]
+
     def encode(self, text: str) -> list[int]:
         # The template already wrote the special tokens; adding more would break prefix sharing.
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -26,6 +26,7 @@ from runner.store import Store
 
 
 SAMPLE_EVERY_S = 2.0  # throughput samples for reports
+TOKENIZE_CHUNK_ROWS = 64  # rows tokenized together: parallel in the tokenizer, small enough to start fast
 
 
 class Progress(Protocol):
@@ -65,9 +66,16 @@ class RequestBuilder:
     def plan(self) -> PlanSummary:
         return PlanSummary(list(self.groups.values()), tokens_exact=True, block_tokens=self.job.block_tokens)
 
-    def build(self, group: Group, doc: Document) -> Request | Completion:
+    def build_many(self, group: Group, docs: list[Document]) -> list[Request | Completion]:
+        """build() for a chunk of one group's rows, tokenized together (in parallel)."""
         b = self.builder
-        ids = b.prompt_ids(group.system_prompt, b.user_text(doc))
+        all_ids = b.prompt_ids_batch(group.system_prompt, [b.user_text(d) for d in docs])
+        return [self.build(group, d, ids) for d, ids in zip(docs, all_ids)]
+
+    def build(self, group: Group, doc: Document, ids: Optional[list[int]] = None) -> Request | Completion:
+        b = self.builder
+        if ids is None:
+            ids = b.prompt_ids(group.system_prompt, b.user_text(doc))
         over = len(ids) + self.max_tokens - self.max_len
         if over > 0 and self.job.spec.input.on_too_long == "truncate":
             text_ids = b.encode(doc.text)
@@ -217,13 +225,13 @@ class _Loop:
 
     def requests(self, groups) -> Iterator[Request]:
         for group in groups:
-            for doc in group.docs:
-                r = self.rb.build(group, doc)
-                if isinstance(r, Completion):
-                    self.immediate.append((r, group.key))
-                    continue
-                self.inflight[r.row_id] = (r, 1, None)
-                yield r
+            for start in range(0, len(group.docs), TOKENIZE_CHUNK_ROWS):
+                for r in self.rb.build_many(group, group.docs[start:start + TOKENIZE_CHUNK_ROWS]):
+                    if isinstance(r, Completion):
+                        self.immediate.append((r, group.key))
+                        continue
+                    self.inflight[r.row_id] = (r, 1, None)
+                    yield r
             self.drain_immediate()
 
     def pop_retries(self) -> Iterator[Request]:

@@ -89,3 +89,4 @@ def test_fast_prompt_ids_equal_full_encoding(model_dir):
     for user in users:
         for sys_prompt in (system, None, "x"):
             assert b.prompt_ids(sys_prompt, user) == b.encode(b.render(sys_prompt, user)), (sys_prompt, user)
+        assert b.prompt_ids_batch(sys_prompt, users) == [b.encode(b.render(sys_prompt, u)) for u in users]
