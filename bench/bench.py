@@ -111,7 +111,8 @@ def child_plain(a, name: str, regime: str, choice: int) -> dict:
     from runner.inputs import iter_documents
     from runner.plan import plan_stream
     from runner.prompting import PromptBuilder
-    from runner.spec import EngineConfig, InputSpec
+    from runner.engine_config import EngineConfig
+    from runner.spec import InputSpec
 
     cfg = EngineConfig(**(engine_config(a, regime) | runner_variant("spec_off" if choice == 0 else f"spec_k{choice}", 0)[0]))
     os.environ.update(offline_environment(cfg.in_process if name == "raw_ordered" else False))

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional
 
 from runner.engines.base import EngineCounters, Request
-from runner.spec import Job, SpeculativeSpec
+from runner.engine_config import SpeculativeSpec
+from runner.spec import Job
 
 
 @dataclass

@@ -16,7 +16,8 @@ from runner.engines.admission import KvBudget
 from runner.engines.base import PAUSE, Completion, EngineCounters, EngineInfo, Request
 from runner.errors import EngineError, ModelError
 from runner.models import cache_root, is_model_dir
-from runner.spec import EngineConfig, SamplingSpec, SpeculativeSpec
+from runner.engine_config import EngineConfig, SpeculativeSpec
+from runner.spec import SamplingSpec
 
 _COUNTERS = {
     "vllm:prompt_tokens": "prompt_tokens",

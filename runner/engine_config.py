@@ -1,0 +1,61 @@
+"""The engine part of a job: vLLM settings, speculative decoding and its calibration."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpeculativeSpec(BaseModel):
+    """Passed through to vLLM's speculative_config; `method` is required, other keys are vLLM's."""
+
+    model_config = ConfigDict(extra="allow")
+    method: str
+    num_speculative_tokens: int = Field(ge=1)
+
+
+class CalibrationSpec(Strict):
+    """How `speculative: auto` measures the job (see runner/calibrate.py)."""
+
+    rows: int = Field(default=128, ge=1, description="rows in each measured slice")
+    max_draft_tokens: int = Field(default=6, ge=1)
+    min_draft_tokens: int = Field(default=2, ge=1)
+    ngram: dict[str, Any] = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+class EngineConfig(Strict):
+    model: str = Field(description="model folder (relative to the config file) or builtin:NAME")
+    dtype: str = "auto"
+    max_model_len: int = Field(default=2048, ge=16)
+    kv_cache_memory_bytes: Optional[int] = Field(default=None, ge=1 << 20)
+    gpu_memory_utilization: Optional[float] = Field(default=None, gt=0, le=1)
+    num_gpu_blocks_override: Optional[int] = Field(default=None, ge=1)
+    block_size: Optional[int] = Field(default=None, ge=1, description="KV block tokens; vLLM's default is 16 on GPU, 128 on CPU")
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: Optional[int] = Field(default=None, ge=16)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    in_process: bool = Field(default=False, description="run vLLM's engine core in this process")
+    speculative: Union[SpeculativeSpec, Literal["auto"], None] = None
+    calibration: CalibrationSpec = CalibrationSpec()
+    structured_output_backend: Literal["auto", "xgrammar", "guidance", "outlines"] = "xgrammar"
+    kv_admission: bool = Field(default=True, description="admit requests only while the KV cache can hold them")
+    warm_prefix: bool = Field(default=True, description="send a group's first request alone, then the rest")
+    max_in_flight: Optional[int] = Field(
+        default=None, ge=1, description="requests kept queued in the engine; default 4 x max_num_seqs"
+    )
+    extra_args: dict[str, Any] = Field(default={}, description="other keyword arguments for vllm.LLM")
+
+
+# Every EngineConfig field, optional: what a job may override.
+EngineOverrides = create_model(
+    "EngineOverrides",
+    __config__=ConfigDict(extra="forbid"),
+    config=(str, ...),
+    **{name: (Optional[f.annotation], None) for name, f in EngineConfig.model_fields.items()},
+)
