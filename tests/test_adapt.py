@@ -104,3 +104,47 @@ def test_auto_speculation_calibrates_on_the_jobs_own_rows(make_job):
     cal = choice["speculative_calibration"]
     assert [p["rows"] for p in cal["phases"]][:2] == [4, 4]
     assert cal["chosen_draft_tokens"] in (0, 5) and len(choice["engines"]) == len(started)
+
+
+def test_a_predicted_draft_length_is_measured_and_dropped_when_it_loses(make_job, monkeypatch):
+    """k=6 is measured slower than no drafts, but its acceptance predicts that k=2 would win; the
+    runner measures k=2 before trusting it, finds it slower still, and runs the job without drafts."""
+    import types
+
+    import runner.run
+
+    job = load_job(make_job(rows=40, engine={"speculative": "auto", "calibration": {"rows": 10, "max_draft_tokens": 6}}))
+    cost = {None: 0.02, 6: 0.03, 2: 0.08}  # seconds a row, on a fake clock: the test cannot be timing-flaky
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(runner.run, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    started = []
+
+    class Drafting(FakeEngine):
+        def generate(self, requests):
+            for c in super().generate(requests):
+                clock.now += cost[self.k]
+                yield c
+
+        def counters(self):
+            c = super().counters()
+            if self.k:  # acceptance that falls fast with the draft position
+                c.spec_drafts = 100 * len(self.seen)
+                c.spec_accepted_per_pos = [int(p * 100 * len(self.seen)) for p in (0.9, 0.8, 0.5, 0.2, 0.1, 0.05)[:self.k]]
+            return c
+
+    def factory(j):
+        k = j.engine.speculative.num_speculative_tokens if j.engine.speculative else None
+        started.append(k)
+        e = Drafting(SCHEMA)
+        e.k = k
+        return e
+
+    s = run_job(job, engine_factory=factory)
+    assert started == [6, None, 2, None]
+    choice = json.loads(sqlite3.connect(job.database_path).execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
+    cal = choice["speculative_calibration"]
+    assert cal["chosen_draft_tokens"] == 0
+    assert [p["draft_tokens_setting"] for p in cal["phases"]] == [6, 0, 2]
+    assert cal["relative_throughput"]["2"] > 1  # predicted to win...
+    assert cal["phases"][2]["output_tokens_per_s"] < cal["phases"][1]["output_tokens_per_s"]  # ...measured to lose
+    assert s.stats["rows_total"] == 40
