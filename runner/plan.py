@@ -132,7 +132,7 @@ def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder],
 
     def flush():
         if builder is not None:
-            encoded = builder.encode_batch([builder.render(d.system_prompt, builder.user_text(d)) for d in pending])
+            encoded = [builder.prompt_ids(d.system_prompt, builder.user_text(d)) for d in pending]
         else:  # no tokenizer: about four characters a token, and no cache estimate
             encoded = [[0] * ((len(d.system_prompt or "") + len(d.text)) // 4 + 8) for d in pending]
         for doc, ids in zip(pending, encoded):

@@ -82,8 +82,8 @@ class PromptBuilder:
         if head is None:
             rendered = self.render(system, _SENTINEL)
             cut = rendered.index(_SENTINEL)
-            ends = [rendered.rfind(t, 0, cut) + len(t) for t in self._special_strings if rendered.rfind(t, 0, cut) >= 0]
-            split = max(ends, default=0)
+            found = ((rendered.rfind(t, 0, cut), t) for t in self._special_strings)
+            split = max((at + len(t) for at, t in found if at >= 0), default=0)
             if len(self._heads) > 1024:  # bounded: a job with countless system prompts keeps working
                 self._heads.clear()
             head = self._heads[system] = (self.encode(rendered[:split]) if split else [], rendered[split:cut],

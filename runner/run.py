@@ -9,7 +9,7 @@ import json
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Protocol
 
 from runner.calibrate import Phase, calibrate
@@ -72,10 +72,8 @@ class RequestBuilder:
         all_ids = b.prompt_ids_batch(group.system_prompt, [b.user_text(d) for d in docs])
         return [self.build(group, d, ids) for d, ids in zip(docs, all_ids)]
 
-    def build(self, group: Group, doc: Document, ids: Optional[list[int]] = None) -> Request | Completion:
+    def build(self, group: Group, doc: Document, ids: list[int]) -> Request | Completion:
         b = self.builder
-        if ids is None:
-            ids = b.prompt_ids(group.system_prompt, b.user_text(doc))
         over = len(ids) + self.max_tokens - self.max_len
         if over > 0 and self.job.spec.input.on_too_long == "truncate":
             text_ids = b.encode(doc.text)
@@ -248,7 +246,7 @@ class _Loop:
         checked = self.checker.check(c, req.max_tokens)
         retry_budget = self.job.spec.sampling.retry_max_tokens
         if checked.status not in (OK, FAILED) and retry_budget and attempt == 1:
-            again = Request(req.row_id, req.group_key, req.prompt_token_ids, max(retry_budget, req.max_tokens))
+            again = replace(req, max_tokens=max(retry_budget, req.max_tokens))
             self.inflight[req.row_id] = (again, 2, checked.status)
             self.retries.append(again)
             return
