@@ -20,7 +20,13 @@ def run_cli(*args):
 
 
 def test_real_run_stores_valid_rows_and_engine_stats(make_job, tmp_path):
-    job = make_job(rows=8)
+    from tests.conftest import SYSTEM_A, SYSTEM_B, write_docs
+
+    # The answer format spelled out in the prompt gives ngram drafts something to match whatever the
+    # model writes in the summary, so the speculation counters cannot stay at zero by chance.
+    example = ' Answer like {"summary":"The blender broke.","sentiment":"negative"}'
+    docs = write_docs(tmp_path / "data" / "docs.parquet", 8, systems=(SYSTEM_A + example, SYSTEM_B + example))
+    job = make_job(docs=docs)
     result = run_cli("run", job)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Results:" in result.stdout and "prefix-cache hit rate" in result.stdout
@@ -64,8 +70,9 @@ def test_real_retry_with_a_larger_budget(make_job, tmp_path):
 def test_real_auto_speculation_and_kv_admission(make_job, tmp_path):
     from tests.conftest import SYSTEM_B, write_docs
 
-    # One group whose answers copy the document, so that ngram drafts find matches in a short slice.
-    docs = write_docs(tmp_path / "data" / "docs.parquet", 14, systems=(SYSTEM_B,))
+    # One group, the answer format spelled out: ngram drafts find matches even in a short slice.
+    example = ' Answer like {"summary":"The blender broke.","sentiment":"negative"}'
+    docs = write_docs(tmp_path / "data" / "docs.parquet", 14, systems=(SYSTEM_B + example,))
     job = make_job(docs=docs, engine={"speculative": "auto", "calibration": {"rows": 6, "max_draft_tokens": 4}})
     result = run_cli("run", "--quiet", job)
     assert result.returncode == 0, result.stderr[-3000:]
