@@ -13,6 +13,10 @@ Configurations:
   no_grouping  the runner in arrival order (plan window of 1 row), chosen speculation
   spec_off, spec_k2 .. spec_k6   the runner with a fixed speculative setting
   seqs_256     the runner with max_num_seqs=256 (concurrency), chosen speculation
+  no_warm      the runner without prefix warming (a group's rows all sent at once), no speculation
+  peaks_only   the runner admitting by the sum of peak KV needs only (no projection), no speculation
+  ray          the runner through the ray executor (one replica on one GPU), no speculation;
+               compare with spec_off (the local executor, same settings)
 Regimes: roomy (vLLM's KV cache) and tight (num_gpu_blocks_override, like a 24 GB card running a
 large model).
 """
@@ -32,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 ROOMY_FIRST = ["plain", "runner"]
-AFTER_CHOICE = ["raw_ordered", "no_grouping", "spec_off", "spec_k2", "spec_k3", "spec_k4", "spec_k5", "spec_k6", "seqs_256"]
+AFTER_CHOICE = ["raw_ordered", "spec_off", "ray", "no_warm", "peaks_only", "no_grouping", "spec_k2", "spec_k4", "spec_k6",
+                "spec_k3", "spec_k5", "seqs_256"]
 NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -61,6 +66,12 @@ def runner_variant(name: str, choice: int) -> tuple[dict, dict]:
         return fixed | {"max_num_seqs": 256}, {}
     if name == "spec_off":
         return {"speculative": None}, {}
+    if name == "no_warm":
+        return {"speculative": None, "warm_prefix": False}, {}
+    if name == "peaks_only":
+        return {"speculative": None, "kv_projection": False}, {}
+    if name == "ray":
+        return {"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}
     if name.startswith("spec_k"):
         return {"speculative": NGRAM | {"num_speculative_tokens": int(name[6:])}}, {}
     raise ValueError(name)
@@ -81,6 +92,8 @@ def child_runner(a, name: str, regime: str, choice: int) -> dict:
     work = Path(a.workdir) / f"{regime}-{name}"
     work.mkdir(parents=True, exist_ok=True)
     eng_over, job_over = runner_variant(name, choice)
+    if "ray" in job_over and a.platform == "cpu":  # CPU-only replica; Ray's read tasks need CPUs beside it
+        job_over["ray"] |= {"gpus_per_replica": 0, "local_num_cpus": 4}
     (work / "engine.yaml").write_text(yaml.safe_dump(engine_config(a, regime) | eng_over))
     job = {"name": "bench", "input": {"path": str(Path(a.workdir) / "documents.parquet"), "id_column": "doc_id",
                                       "text_column": "text", "system_prompt_column": "system_prompt"},
@@ -90,7 +103,17 @@ def child_runner(a, name: str, regime: str, choice: int) -> dict:
     (work / "job.yaml").write_text(yaml.safe_dump(job))
     (work / "results.sqlite").unlink(missing_ok=True)
     t0 = time.perf_counter()
-    s = run_job(load_job(work / "job.yaml")).stats
+    if os.environ.get("BENCH_PROFILE") == name:  # where the driver's time goes, for the streaming overhead
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        s = prof.runcall(run_job, load_job(work / "job.yaml")).stats
+        with open(Path(a.workdir) / f"profile-{regime}-{name}.txt", "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(60)
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+    else:
+        s = run_job(load_job(work / "job.yaml")).stats
     choice_json = json.loads(s["engine_choice_json"])
     cal = choice_json.get("speculative_calibration")
     return {
@@ -107,7 +130,7 @@ def child_runner(a, name: str, regime: str, choice: int) -> dict:
 def child_plain(a, name: str, regime: str, choice: int) -> dict:
     """Plain vLLM: one LLM.generate. `plain`: arrival order, vLLM's defaults; `raw_ordered`: the runner's
     order and settings, for the streaming-overhead comparison."""
-    from runner.engines.vllm_engine import llm_kwargs, offline_environment
+    from runner.engines.vllm_settings import llm_kwargs, offline_environment
     from runner.inputs import iter_documents
     from runner.plan import plan_stream
     from runner.prompting import PromptBuilder
@@ -242,7 +265,9 @@ def main() -> None:
         wanted = (a.tight_configs if regime == "tight" else a.configs).split(",")
         results[regime] = {}
         choice = 0
-        for name in [n for n in ROOMY_FIRST + AFTER_CHOICE if n in wanted]:
+        # In the order asked for, but `runner` before the configurations that reuse its choice.
+        order = sorted(wanted, key=lambda n: (n in ("raw_ordered", "no_grouping", "seqs_256"), wanted.index(n)))
+        for name in [n for n in order if n in ROOMY_FIRST + AFTER_CHOICE]:
             r = run_child(a, name, regime, choice)
             results[regime][name] = r
             if name == "runner" and r.get("chosen_draft_tokens") is not None:

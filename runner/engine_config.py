@@ -24,6 +24,9 @@ class CalibrationSpec(Strict):
     rows: int = Field(default=128, ge=1, description="rows in each measured slice")
     max_draft_tokens: int = Field(default=6, ge=1)
     min_draft_tokens: int = Field(default=2, ge=1)
+    max_batch: int = Field(default=256, ge=1, description=(
+        "measure speculation only when the engine runs at most this many requests at once; larger "
+        "batches are compute-bound and verifying drafts costs more than it saves"))
     ngram: dict[str, Any] = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -45,6 +48,8 @@ class EngineConfig(Strict):
     calibration: CalibrationSpec = CalibrationSpec()
     structured_output_backend: Literal["auto", "xgrammar", "guidance", "outlines"] = "xgrammar"
     kv_admission: bool = Field(default=True, description="admit requests only while the KV cache can hold them")
+    kv_projection: bool = Field(default=True, description=(
+        "admit past the sum of peak KV needs while a projection (earlier requests finish first) fits"))
     warm_prefix: bool = Field(default=True, description="send a group's first request alone, then the rest")
     max_in_flight: Optional[int] = Field(
         default=None, ge=1, description="requests kept queued in the engine; default 4 x max_num_seqs"

@@ -170,3 +170,47 @@ def documents_from_batches(batches, spec: InputSpec, system_prompt: str | None) 
                 system_prompt=systems[i],
                 fields={c: ("" if v[i] is None else v[i]) for c, v in extras.items()},
             )
+
+
+def prefetch(items, max_items: int) -> Iterator:
+    """Read `items` ahead in a thread (at most max_items waiting), starting now: reading the input
+    then overlaps with starting the engine. Errors surface where the item would have been."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=max(max_items, 1))
+    done, stop = object(), threading.Event()
+
+    def put(entry) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(entry, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False  # the reader went away: stop reading
+
+    def fill() -> None:
+        try:
+            for item in items:
+                if not put((item, None)):
+                    return
+            put((done, None))
+        except BaseException as exc:  # handed to the reader, raised there
+            put((done, exc))
+
+    threading.Thread(target=fill, name="runner-input", daemon=True).start()
+
+    def read() -> Iterator:
+        try:
+            while True:
+                item, exc = q.get()
+                if exc is not None:
+                    raise exc
+                if item is done:
+                    return
+                yield item
+        finally:
+            stop.set()
+
+    return read()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from collections import deque
 from typing import Iterable, Iterator
@@ -18,6 +19,7 @@ from runner.engines.base import PAUSE, Completion, EngineCounters, EngineInfo, R
 from runner.errors import EngineError
 from runner.spec import Job
 
+_INIT_LOCK = threading.Lock()
 _STEP_S = 0.05  # how long a replica call may gather completions before it answers
 
 
@@ -25,9 +27,14 @@ def ensure_ray(job: Job):
     """Connect to the job's Ray cluster (ray.address, else RAY_ADDRESS), or start a local one."""
     import ray
 
-    if ray.is_initialized():
-        return ray
-    from runner.engines.vllm_engine import offline_environment
+    with _INIT_LOCK:  # the input reader's thread and the engine may both get here first
+        if not ray.is_initialized():
+            _init_ray(ray, job)
+    return ray
+
+
+def _init_ray(ray, job: Job) -> None:
+    from runner.engines.vllm_settings import offline_environment
 
     cfg = job.spec.ray
     env = offline_environment(job.engine.in_process) | cfg.env
@@ -42,7 +49,6 @@ def ensure_ray(job: Job):
         # A short folder: Ray's unix socket paths must stay under 108 bytes.
         ray.init(num_cpus=cpus, object_store_memory=cfg.object_store_memory_bytes,
                  _temp_dir=os.path.join(tempfile.gettempdir(), f"runner-ray-{os.getuid()}"), **kwargs)
-    return ray
 
 
 def ray_documents(job: Job):
@@ -93,6 +99,9 @@ class EngineReplica:
 
     def counters(self) -> EngineCounters:
         return self.engine.counters()
+
+    def expected_batch(self, req: Request) -> int:
+        return self.engine.expected_batch(req)
 
     def adaptation(self) -> dict:
         return self.engine.adaptation()
@@ -181,6 +190,10 @@ class RayEngine:
         for c in self.ray.get([r.counters.remote() for r in self.replicas]):
             total = total + c
         return total
+
+    def expected_batch(self, req: Request) -> int:
+        """Per replica: speculation is decided per engine."""
+        return self.ray.get(self.replicas[0].expected_batch.remote(req))
 
     def adaptation(self) -> dict:
         return {"replicas": self.ray.get([r.adaptation.remote() for r in self.replicas])}

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Optional, Protocol
 from runner.calibrate import Phase, calibrate
 from runner.engines import Completion, Engine, EngineCounters, Request, build_engine
 from runner.errors import RunnerError
-from runner.inputs import iter_documents, scan_input
+from runner.inputs import iter_documents, prefetch, scan_input
 from runner.lock import JobLock
 from runner.outputs import FAILED, OK, STATUSES, OutputChecker
 from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound, plan_stream
@@ -125,7 +125,9 @@ def _execute(job, store, run_id, engine_factory, builder, done, todo, skipped, p
     t_start = time.perf_counter()
     progress = progress_factory(todo) if progress_factory else None
     loop = _Loop(job, store, run_id, RequestBuilder(job, builder), progress)
-    source: Iterator[Request] = loop.requests(plan_stream(_documents(job), job.spec.plan_window_rows, done))
+    # The input is read ahead from here on, while the engine starts.
+    documents = prefetch(_documents(job), job.spec.plan_window_rows) if todo else iter(())
+    source: Iterator[Request] = loop.requests(plan_stream(documents, job.spec.plan_window_rows, done))
     engines = _Engines(job, engine_factory, store, run_id)
     choice = None
     try:
@@ -133,7 +135,7 @@ def _execute(job, store, run_id, engine_factory, builder, done, todo, skipped, p
             if todo == 0:  # every row is stored already: a rerun from cron costs no engine start
                 pass
             elif job.engine.speculative == "auto":
-                choice = calibrate(job, engines, loop, source)
+                choice, source = calibrate(job, engines, loop, source)
             else:
                 engines.start(job)
             while todo:
@@ -157,11 +159,11 @@ def _execute(job, store, run_id, engine_factory, builder, done, todo, skipped, p
 def _documents(job: Job) -> Iterator[Document]:
     """The job's rows, read lazily: by Ray Data for the ray executor, else by pyarrow."""
     if job.spec.executor == "ray":
-        from runner.ray_executor import ray_documents
+        from runner.ray_executor import ensure_ray, ray_documents
 
-        yield from ray_documents(job)
-    else:
-        yield from iter_documents(job.input_path, job.spec.input, job.system_prompt)
+        ensure_ray(job)  # here, in the main thread: Ray must not start in the reader's thread
+        return ray_documents(job)
+    return iter_documents(job.input_path, job.spec.input, job.system_prompt)
 
 
 class _Engines:
@@ -184,6 +186,16 @@ class _Engines:
         info = self.engine.info  # the last engine started runs the main pass: its settings are the run's
         self.store.set_engine(self.run_id, info.backend, info.version, info.settings)
         return self.engine
+
+    def warmup(self, req: Request) -> None:
+        """One throwaway request before a measured slice: one-time costs (the draft proposer's JIT
+        compile, the schema's grammar) stay out of the measurement and out of the run's counters."""
+        warm = getattr(self.engine, "warmup", None)
+        if warm is not None:
+            t0 = time.perf_counter()
+            warm(req)
+            self.load_s += time.perf_counter() - t0
+            self._before = self.engine.counters()
 
     def run(self, loop: "_Loop", source, draft_tokens: int = 0) -> Phase:
         rows0, out0 = sum(loop.counts.values()), loop.tokens["completion"]

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import math
+import random
 import sqlite3
 
 import pytest
@@ -20,34 +22,73 @@ def req(prompt=100, cacheable=0, max_tokens=64):
 
 
 def test_budget_admits_while_blocks_fit_and_always_one():
-    b = KvBudget(total_blocks=20, block_tokens=16)
+    b = KvBudget(total_blocks=20, block_tokens=16, project=False)
     r = req(prompt=100, cacheable=64, max_tokens=60)  # (36 + 60) / 16 -> 6 blocks, +1 partial
     assert b.need(r) == 7
-    assert b.can_admit(7)
-    b.admit(r, 7)  # reserve: 2 x 4 prefix blocks = 8
-    assert not b.can_admit(7)  # 7 + 7 + 8 > 20
-    b.release(7, completion_tokens=30)
-    assert b.used == 0 and b.can_admit(500)  # an empty engine takes any request
+    assert b.can_admit(r)
+    t = b.admit(r)  # reserve: 2 x 4 prefix blocks = 8
+    assert not b.can_admit(r)  # 7 + 7 + 8 > 20
+    b.release(t, completion_tokens=30)
+    assert b.used == 0 and b.can_admit(req(prompt=5000))  # an empty engine takes any request
 
 
 def test_budget_learns_the_output_length():
-    b = KvBudget(total_blocks=None, block_tokens=16, min_output_samples=4)
+    b = KvBudget(total_blocks=None, block_tokens=16, min_output_samples=10)
     assert b.output_estimate(200) == 200
-    for _ in range(4):
-        b.admit(req(), 1)
-        b.release(1, completion_tokens=40)
-    assert b.output_estimate(200) == int(1.3 * 40) + 8
+    for n in range(10):
+        b.release(b.admit(req()), completion_tokens=[40, 40, 40, 40, 40, 40, 40, 40, 90, 120][n])
+    assert b.output_estimate(200) == 90 + 8  # the 90th percentile, so that long outputs fit too
     assert b.output_estimate(30) == 30
-    assert b.can_admit(10**9)  # unknown cache size: no limit
+    assert b.can_admit(req(prompt=10**6))  # unknown cache size: no limit
 
 
 def test_preemption_shrinks_the_budget():
     b = KvBudget(total_blocks=1000, block_tokens=16)
     for _ in range(10):
-        b.admit(req(cacheable=32), 50)
+        b.admit(req(cacheable=32))
     b.on_preemption()
-    assert b.budget < 500 + 4 and b.preemptions_seen == 1
+    assert b.budget == 850 and b.preemptions_seen == 1
     assert b.describe()["kv_budget_blocks"] == b.budget
+
+
+def simulate(budget: KvBudget, rows: int, prompt: int, output, steps: int = 5000):
+    """Admit greedily; every sent request makes one token a step and holds ceil(tokens/block) blocks,
+    as vLLM allocates them. Returns (most blocks ever held, most requests at once)."""
+    running: dict[int, list[int]] = {}  # ticket -> [tokens now, tokens at the end]
+    waiting = list(range(rows))
+    random.Random(0).shuffle(waiting)  # lengths arrive in no order, as rows do
+    most_blocks = most_running = 0
+    for _ in range(steps):
+        while waiting and budget.can_admit(req(prompt=prompt, max_tokens=128)):
+            n = waiting.pop()
+            t = budget.admit(req(prompt=prompt, max_tokens=128))
+            budget.submitted(t)
+            running[t] = [prompt, prompt + output(n)]
+        for t, toks in list(running.items()):
+            toks[0] += 1
+            if toks[0] >= toks[1]:
+                budget.release(t, toks[1] - prompt)
+                del running[t]
+        budget.tick()
+        held = sum(math.ceil(a / budget.block_tokens) for a, _ in running.values())
+        most_blocks, most_running = max(most_blocks, held), max(most_running, len(running))
+        if not waiting and not running:
+            break
+    return most_blocks, most_running
+
+
+@pytest.mark.parametrize("output", [lambda n: 40 + n % 60, lambda n: 128 if n % 4 == 0 else 50 + n % 30])
+def test_projection_admits_more_than_the_sum_of_peaks_and_never_overflows(output):
+    """Requests sent earlier finish earlier, so the cache never holds all of them at their peaks: the
+    projection runs more requests at once than reserving every peak, and still never needs more
+    blocks than the cache has (here, outputs one token a step, as the projection assumes)."""
+    peaks = KvBudget(total_blocks=200, block_tokens=16, project=False)
+    projected = KvBudget(total_blocks=200, block_tokens=16)
+    blocks_peaks, running_peaks = simulate(peaks, 400, 150, output)
+    blocks_proj, running_proj = simulate(projected, 400, 150, output)
+    assert blocks_peaks <= 200 and blocks_proj <= 200
+    assert running_proj > running_peaks
+    assert projected.admitted_over_peaks > 0
 
 
 def phase(k, tok_s, drafts=0, per_pos=()):
@@ -96,7 +137,7 @@ def test_auto_speculation_calibrates_on_the_jobs_own_rows(make_job):
         return FakeEngine(SCHEMA)
 
     s = run_job(job, engine_factory=factory)
-    assert started[0].num_speculative_tokens == 5 and started[1] is None
+    assert started[0] is None and started[1].num_speculative_tokens == 5  # the plain engine sizes the batch
     assert s.stats["rows_total"] == 20
     con = sqlite3.connect(job.database_path)
     assert con.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 20
@@ -132,19 +173,72 @@ def test_a_predicted_draft_length_is_measured_and_dropped_when_it_loses(make_job
                 c.spec_accepted_per_pos = [int(p * 100 * len(self.seen)) for p in (0.9, 0.8, 0.5, 0.2, 0.1, 0.05)[:self.k]]
             return c
 
+    engines = []
+
     def factory(j):
         k = j.engine.speculative.num_speculative_tokens if j.engine.speculative else None
         started.append(k)
         e = Drafting(SCHEMA)
         e.k = k
+        engines.append(e)
         return e
 
     s = run_job(job, engine_factory=factory)
-    assert started == [6, None, 2, None]
+    assert started == [None, 6, 2, None]
+    # Every measured engine ran one throwaway request first; the main-pass engine did not need one.
+    assert [len(e.warmed) for e in engines] == [1, 1, 1, 0]
     choice = json.loads(sqlite3.connect(job.database_path).execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
     cal = choice["speculative_calibration"]
     assert cal["chosen_draft_tokens"] == 0
-    assert [p["draft_tokens_setting"] for p in cal["phases"]] == [6, 0, 2]
+    assert [p["draft_tokens_setting"] for p in cal["phases"]] == [0, 6, 2]
     assert cal["relative_throughput"]["2"] > 1  # predicted to win...
-    assert cal["phases"][2]["output_tokens_per_s"] < cal["phases"][1]["output_tokens_per_s"]  # ...measured to lose
+    assert cal["phases"][2]["output_tokens_per_s"] < cal["phases"][0]["output_tokens_per_s"]  # ...measured to lose
     assert s.stats["rows_total"] == 40
+
+
+@pytest.mark.parametrize("batch, measured", [(300, False), (256, True), (None, True)])
+def test_speculation_is_measured_only_for_small_batches(make_job, batch, measured):
+    """An engine that runs more than calibration.max_batch (256) requests at once is compute-bound:
+    the plain engine that sized the batch runs the whole job. An unknown batch size is measured."""
+    job = load_job(make_job(rows=30, engine={"speculative": "auto", "calibration": {"rows": 4, "max_draft_tokens": 3}}))
+    started = []
+
+    def factory(j):
+        started.append(j.engine.speculative)
+        e = FakeEngine(SCHEMA)
+        e.batch = batch
+        return e
+
+    s = run_job(job, engine_factory=factory)
+    con = sqlite3.connect(job.database_path)
+    assert con.execute("SELECT count(*), count(DISTINCT row_id) FROM results").fetchone() == (30, 30)
+    cal = json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])["speculative_calibration"]
+    assert cal.get("expected_batch") == batch
+    if measured:
+        assert len(started) >= 2 and "phases" in cal and "skipped" not in cal
+    else:
+        assert started == [None] and cal["chosen_draft_tokens"] == 0 and "300 requests" in cal["skipped"]
+    assert s.stats["rows_total"] == 30
+
+
+def test_budget_capacity_counts_the_prefix_reserve():
+    b = KvBudget(total_blocks=100, block_tokens=16)
+    r = req(prompt=320, cacheable=160, max_tokens=64)  # 10 prefix blocks; needs ceil((160+64)/16)+1 = 15
+    assert b.need(r) == 15
+    assert b.capacity(r) == (100 - 2 * 10) // 15
+    assert KvBudget(None, 16).capacity(r) is None
+
+
+def test_a_job_that_fits_in_the_first_slice_starts_one_engine(make_job):
+    job = load_job(make_job(rows=5, engine={"speculative": "auto", "calibration": {"rows": 8}}))
+    started = []
+
+    def factory(j):
+        started.append(j.engine.speculative)
+        return FakeEngine(SCHEMA)
+
+    s = run_job(job, engine_factory=factory)
+    cal = json.loads(sqlite3.connect(job.database_path).execute(
+        "SELECT engine_choice_json FROM run_stats").fetchone()[0])["speculative_calibration"]
+    assert started == [None] and s.stats["rows_total"] == 5
+    assert cal["chosen_draft_tokens"] == 0 and "first slice" in cal["skipped"]

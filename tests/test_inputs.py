@@ -94,3 +94,23 @@ def test_unreadable_file(tmp_path, monkeypatch):
         monkeypatch.setattr(pyarrow.parquet, "ParquetFile", refuse)
     with pytest.raises(InputError, match="permission denied"):
         scan_input(str(f), SPEC)
+
+
+def test_prefetch_reads_ahead_in_order_and_raises_where_the_item_was():
+    import threading
+
+    from runner.errors import InputError
+    from runner.inputs import prefetch
+
+    started = threading.Event()
+
+    def rows():
+        started.set()
+        yield from range(5)
+        raise InputError("part-2.parquet: row 5: bad")
+
+    it = prefetch(rows(), 2)
+    assert started.wait(5)  # reading began before anything was asked for
+    assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(InputError, match="row 5"):
+        next(it)

@@ -3,65 +3,163 @@
 vLLM admits a waiting request whenever its prompt fits in the free blocks; when decoding later
 runs out of blocks it preempts a running request and recomputes it from scratch. Under a tight
 KV cache that recomputation eats the throughput. The runner therefore admits a request only while
-the blocks that all admitted requests may need (their unshared prompt plus an output estimate)
-fit in the cache, and shrinks that budget whenever vLLM still reports a preemption.
+the blocks that admitted requests will need (their unshared prompt plus their output) fit in the
+cache, and shrinks that budget whenever vLLM still reports a preemption.
+
+Two tests, cheap first: the sum of every request's peak fits (always true with a roomy cache);
+else the projected peak fits. Requests admitted earlier finish earlier, so the cache never holds
+every request at its peak at once: the projection walks forward through the steps at which the
+running requests finish, assuming one output token a step (speculation turns this off: it makes
+more tokens a step) and outputs as long as the 90th percentile seen so far.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from itertools import count
 from typing import Optional
 
 from runner.engines.base import Request
 
 
+@dataclass
+class Ticket:
+    """One admitted request."""
+
+    unshared_tokens: int
+    max_tokens: int
+    blocks: int  # its peak, as admitted
+    step: Optional[int] = None  # engine step it was sent at (None: admitted, not sent yet)
+
+
 class KvBudget:
-    def __init__(self, total_blocks: Optional[int], block_tokens: int, min_output_samples: int = 16):
+    def __init__(self, total_blocks: Optional[int], block_tokens: int, min_output_samples: int = 16,
+                 max_running: Optional[int] = None, project: bool = True):
         self.total_blocks = total_blocks
         self.block_tokens = block_tokens
         self.budget = total_blocks  # None: unbounded (the cache size is not known)
-        self.used = 0
+        self.used = 0  # sum of the admitted requests' peaks
         self.min_output_samples = min_output_samples
+        self.max_running = max_running  # vLLM runs at most this many (max_num_seqs); the rest wait
+        self.project = project
+        self.step = 0
+        self.tickets: dict[int, Ticket] = {}
+        self._ids = count()
         self._out_sum = 0
         self._out_n = 0
+        self._outputs: list[int] = []  # recent output lengths, for the percentile
+        self._p90: Optional[int] = None
+        # Short outputs finish first, so the lengths seen so far under-sample long ones. Only a
+        # cohort is a fair sample: lengths count once every request admitted before them is done.
+        self._finished: dict[int, Optional[int]] = {}  # done, but an earlier ticket is still running
+        self._cohort_end = 0  # every ticket below this one is done and counted
         self._max_prefix_blocks = 0
         self.preemptions_seen = 0
         self.deferred = 0  # times a request waited for blocks
+        self.admitted_over_peaks = 0  # requests only the projection let in
+        self.max_admitted = 0
 
     def output_estimate(self, max_tokens: int) -> int:
-        """Output tokens to reserve: max_tokens until enough rows finished, then a margin over the mean."""
+        """Output tokens to plan for: max_tokens until enough rows finished (and the first wave), then
+        the 90th percentile."""
         if self._out_n < self.min_output_samples:
             return max_tokens
-        return min(max_tokens, int(1.3 * self._out_sum / self._out_n) + 8)
+        if self._p90 is None:
+            recent = sorted(self._outputs)
+            self._p90 = recent[int(0.9 * (len(recent) - 1))] + 8
+        return min(max_tokens, self._p90)
 
     def need(self, req: Request) -> int:
-        """Blocks this request may occupy beyond the shared prefix it can find in the cache."""
+        """Blocks this request may occupy at its peak beyond the shared prefix it finds in the cache."""
         unshared = len(req.prompt_token_ids) - req.cacheable_tokens
         return math.ceil((unshared + self.output_estimate(req.max_tokens)) / self.block_tokens) + 1
 
-    def _reserve(self) -> int:
+    def capacity(self, req: Request) -> Optional[int]:
+        """How many requests like `req` the cache holds at their peaks at once (None: unknown)."""
+        if self.budget is None:
+            return None
+        prefix_blocks = req.cacheable_tokens // self.block_tokens
+        free = self.budget - 2 * max(prefix_blocks, self._max_prefix_blocks)
+        return max(free // self.need(req), 1)
+
+    def _reserve(self, req: Optional[Request] = None) -> int:
         # Shared prefixes of the (at most two) groups that overlap while one ends and the next starts.
-        return 2 * self._max_prefix_blocks
+        prefix = req.cacheable_tokens // self.block_tokens if req is not None else 0
+        return 2 * max(self._max_prefix_blocks, prefix)
 
-    def can_admit(self, blocks: int) -> bool:
-        if self.budget is None or self.used == 0:
+    def can_admit(self, req: Request) -> bool:
+        if self.budget is None or not self.tickets:
             return True  # an empty engine always takes one request, whatever its size
-        return self.used + blocks + self._reserve() <= self.budget
+        room = self.budget - self._reserve(req)
+        if self.used + self.need(req) <= room:
+            return True
+        if self.project and self.projected_peak(req) <= room:
+            self.admitted_over_peaks += 1
+            return True
+        return False
 
-    def admit(self, req: Request, blocks: int) -> None:
+    def projected_peak(self, req: Request) -> float:
+        """Peak blocks the running requests plus `req` will hold, if each makes a token a step."""
+        bt = self.block_tokens
+        items = []  # (steps left, tokens now)
+        for i, t in enumerate(self.tickets.values()):
+            running = t.step is not None and (self.max_running is None or i < self.max_running)
+            age = self.step - t.step if running else 0
+            length = self.output_estimate(t.max_tokens)
+            if age >= length:  # longer than planned: it may run to max_tokens
+                length = t.max_tokens
+            items.append((max(length - age, 1), t.unshared_tokens + age))
+        items.append((self.output_estimate(req.max_tokens), len(req.prompt_token_ids) - req.cacheable_tokens))
+        items.sort()
+        # Usage x steps ahead: sum over requests still running (steps left > x) of (tokens + x)/bt + 1.
+        # It peaks just before a request finishes, so only x = 0 and x = left - 1 need checking.
+        peak, tokens, alive = 0.0, sum(t for _, t in items), len(items)
+        prev = None
+        for left, now in items:
+            if left != prev:
+                x = left - 1
+                peak = max(peak, (tokens + x * alive) / bt + alive)
+                prev = left
+            tokens -= now
+            alive -= 1
+        return peak
+
+    def admit(self, req: Request) -> int:
+        blocks = self.need(req)
+        ticket = next(self._ids)
+        self.tickets[ticket] = Ticket(len(req.prompt_token_ids) - req.cacheable_tokens, req.max_tokens, blocks)
         self.used += blocks
+        self.max_admitted = max(self.max_admitted, len(self.tickets))
         self._max_prefix_blocks = max(self._max_prefix_blocks, req.cacheable_tokens // self.block_tokens)
+        return ticket
 
-    def release(self, blocks: int, completion_tokens: Optional[int]) -> None:
-        self.used -= blocks
-        if completion_tokens is not None:
-            self._out_sum += completion_tokens
-            self._out_n += 1
+    def release(self, ticket: int, completion_tokens: Optional[int]) -> None:
+        self.used -= self.tickets.pop(ticket).blocks
+        self._finished[ticket] = completion_tokens
+        while self._cohort_end in self._finished:
+            n = self._finished.pop(self._cohort_end)
+            self._cohort_end += 1
+            if n is not None:
+                self._out_sum += n
+                self._out_n += 1
+                self._outputs.append(n)
+                self._p90 = None
+                if len(self._outputs) > 512:
+                    del self._outputs[:256]
+
+    def submitted(self, ticket: int) -> None:
+        """The request went to the engine now (a group's followers wait for their leader first)."""
+        self.tickets[ticket].step = self.step
+
+    def tick(self) -> None:
+        """The engine made one step."""
+        self.step += 1
 
     def on_preemption(self) -> None:
         """vLLM preempted a request: what is admitted now was too much; admit less from here on."""
         self.preemptions_seen += 1
         if self.budget is not None:
-            self.budget = max(int(0.85 * min(self.budget, self.used + self._reserve())), self._reserve() + 1)
+            self.budget = max(int(0.85 * self.budget), self._reserve() + 1)
 
     def describe(self) -> dict:
         return {
@@ -71,4 +169,6 @@ class KvBudget:
             "output_tokens_estimate": (self._out_sum / self._out_n) if self._out_n else None,
             "preemptions_seen": self.preemptions_seen,
             "admissions_deferred": self.deferred,
+            "admitted_by_projection": self.admitted_over_peaks,
+            "max_admitted": self.max_admitted,
         }

@@ -88,6 +88,10 @@ class Engine(Protocol):
         """Cumulative counters since the engine started."""
         ...
 
+    def expected_batch(self, req: Request) -> Optional[int]:
+        """How many requests like `req` the engine would run at once (None: unknown)."""
+        ...
+
     def adaptation(self) -> dict:
         """What the engine adapted while running, stored with the run's stats."""
         ...

@@ -52,6 +52,8 @@ class FakeEngine:
         self._totals = EngineCounters()
         self._prefixes: dict[str, list[int]] = {}
         self.seen: list[Request] = []
+        self.batch: Optional[int] = None
+        self.warmed: list[str] = []
         self.info = EngineInfo(backend="fake", version="0", settings={"delay_s": delay_s})
 
     def _cached(self, req: Request) -> int:
@@ -84,6 +86,12 @@ class FakeEngine:
 
     def counters(self) -> EngineCounters:
         return self._totals + EngineCounters()
+
+    def warmup(self, req: Request) -> None:
+        self.warmed.append(req.row_id)  # like vLLM's: generates nothing that counts
+
+    def expected_batch(self, req: Request) -> Optional[int]:
+        return self.batch  # tests set it; None: unknown, like a backend that cannot tell
 
     def adaptation(self) -> dict:
         return {}

@@ -15,8 +15,9 @@ from typing import Any, Iterable, Iterator, Optional
 from runner.engines.admission import KvBudget
 from runner.engines.base import PAUSE, Completion, EngineCounters, EngineInfo, Request
 from runner.errors import EngineError, ModelError
-from runner.models import cache_root, is_model_dir
+from runner.models import is_model_dir
 from runner.engine_config import EngineConfig, SpeculativeSpec
+from runner.engines.vllm_settings import llm_kwargs, offline_environment
 from runner.spec import SamplingSpec
 
 _COUNTERS = {
@@ -29,51 +30,6 @@ _COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "spec_accepted_tokens",
     "vllm:num_preemptions": "preemptions",
 }
-
-
-def offline_environment(in_process: bool) -> dict[str, str]:
-    """Environment that keeps vLLM and Hugging Face off the network and inside known folders."""
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_DO_NOT_TRACK": "1",
-        "DO_NOT_TRACK": "1",
-    }
-    defaults = {
-        "VLLM_CACHE_ROOT": str(cache_root() / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache_root() / "inductor"),
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-    return env | {k: v for k, v in defaults.items() if k not in os.environ}
-
-
-def llm_kwargs(cfg: EngineConfig, model_path: Path, seed: int | None) -> dict[str, Any]:
-    """Keyword arguments for vllm.LLM from a validated engine config."""
-    kw: dict[str, Any] = dict(
-        model=str(model_path),
-        dtype=cfg.dtype,
-        max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        enforce_eager=cfg.enforce_eager,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        disable_log_stats=False,  # get_metrics() needs stat logging
-        # Compact JSON (fewer tokens a row); engine-wide in vLLM, and only explicit backends accept it.
-        structured_outputs_config={"backend": cfg.structured_output_backend,
-                                   "disable_any_whitespace": cfg.structured_output_backend != "auto"},
-    )
-    for name in ("kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override",
-                 "max_num_batched_tokens", "block_size"):
-        if getattr(cfg, name) is not None:
-            kw[name] = getattr(cfg, name)
-    if isinstance(cfg.speculative, SpeculativeSpec):
-        kw["speculative_config"] = cfg.speculative.model_dump()
-    if seed is not None:
-        kw["seed"] = seed
-    return kw | cfg.extra_args
 
 
 class VllmEngine:
@@ -101,9 +57,15 @@ class VllmEngine:
             raise EngineError(f"vLLM failed to start with model {model_path}: {exc.__class__.__name__}: {exc}") from None
         self.load_s = time.perf_counter() - started
         cache = self.llm.llm_engine.vllm_config.cache_config
-        self.budget = KvBudget(cache.num_gpu_blocks if cfg.kv_admission else None, cache.block_size)
+        self.budget = KvBudget(cache.num_gpu_blocks if cfg.kv_admission else None, cache.block_size,
+                               max_running=cfg.max_num_seqs,
+                               project=cfg.kv_projection and not isinstance(cfg.speculative, SpeculativeSpec))
         self._params: dict[int, Any] = {}
         self._ids = itertools.count()
+        # Where the driver's time goes (stored with the run's stats): waiting on the engine core in
+        # step(), building and adding requests, and the caller's work on finished rows.
+        self.loop = {"steps": 0, "step_wait_s": 0.0, "add_request_s": 0.0, "build_s": 0.0, "caller_s": 0.0,
+                     "max_pending": 0, "first_step_at_s": None, "all_added_at_s": None}
         self.info = EngineInfo(backend="vllm", version=vllm.__version__,
                                settings={k: v for k, v in kw.items() if k != "model"} | {"max_in_flight": self.max_in_flight, "warm_prefix": cfg.warm_prefix})
 
@@ -136,7 +98,7 @@ class VllmEngine:
         """
         engine, budget = self.llm.llm_engine, self.budget
         source = iter(requests)
-        pending: dict[str, tuple[Request, float, object, int]] = {}  # id -> (request, start, id vLLM gave, blocks)
+        pending: dict[str, tuple[Request, float, object, int]] = {}  # id -> (request, start, id vLLM gave, KV ticket)
         internal: dict[str, str] = {}  # some versions report an internal id in outputs
         leaders: dict[str, str] = {}  # request id -> group whose prefix it is computing
         held: dict[str, list[tuple[Request, int]]] = {}  # group -> requests waiting for their leader
@@ -146,13 +108,16 @@ class VllmEngine:
         deltas: dict[str, tuple[list[str], int]] = {}  # leader id -> (text pieces, tokens) streamed so far
         n_held = 0
         exhausted = False
+        loop, clock = self.loop, time.perf_counter
+        t_start = clock()
         while True:
-            to_submit: list[tuple[Request, bool, int]] = [(r, False, b) for r, b in released]
+            to_submit: list[tuple[Request, bool, int]] = [(r, False, t) for r, t in released]
             released = []
             # Build at most feed_per_step new requests before stepping again: tokenizing the next
             # ones then overlaps with the engine core working on the last ones.
             fed = 0
             paused = False
+            t_build = clock()
             while not exhausted and fed < self.feed_per_step and len(pending) + n_held + len(to_submit) < self.max_in_flight:
                 fed += 1
                 req, lookahead = lookahead or next(source, None), None
@@ -162,29 +127,31 @@ class VllmEngine:
                 if req is PAUSE:  # a live source with nothing new yet (see runner/ray_executor.py)
                     paused = True
                     break
-                blocks = budget.need(req)
-                if not budget.can_admit(blocks):
+                if not budget.can_admit(req):
                     lookahead = req
                     budget.deferred += 1
                     break
-                budget.admit(req, blocks)
+                ticket = budget.admit(req)
                 key = req.group_key
                 if self.cfg.warm_prefix and key not in warm:
                     if key in held:
-                        held[key].append((req, blocks))
+                        held[key].append((req, ticket))
                         n_held += 1
                         continue
                     held[key] = []
-                    to_submit.append((req, True, blocks))
+                    to_submit.append((req, True, ticket))
                 else:
-                    to_submit.append((req, False, blocks))
-            for req, is_leader, blocks in to_submit:
+                    to_submit.append((req, False, ticket))
+            t_add = clock()
+            loop["build_s"] += t_add - t_build
+            for req, is_leader, ticket in to_submit:
+                budget.submitted(ticket)  # its tokens start growing now, not while held
                 rid = f"{req.row_id}#{next(self._ids)}"
                 try:
                     got = engine.add_request(rid, {"prompt_token_ids": req.prompt_token_ids},
                                              self._sampling_params(req.max_tokens, is_leader))
                 except Exception as exc:  # a bad request is an error row, not a crashed batch
-                    budget.release(blocks, None)
+                    budget.release(ticket, None)
                     if is_leader:  # its group goes on without a warmed prefix
                         warm.add(req.group_key)
                         followers = held.pop(req.group_key)
@@ -192,13 +159,19 @@ class VllmEngine:
                         released += followers
                     yield Completion(req.row_id, prompt_tokens=len(req.prompt_token_ids),
                                      error=f"rejected by vLLM: {exc.__class__.__name__}: {exc}")
+                    t_add = clock()  # the caller's time on this row is not add_request's
                     continue
-                pending[rid] = (req, time.perf_counter(), got, blocks)
+                pending[rid] = (req, time.perf_counter(), got, ticket)
                 if isinstance(got, str) and got != rid:
                     internal[got] = rid
                 if is_leader:
                     leaders[rid] = req.group_key
                     deltas[rid] = ([], 0)
+            t_step = clock()
+            loop["add_request_s"] += t_step - t_add
+            loop["max_pending"] = max(loop["max_pending"], len(pending))
+            if exhausted and not held and loop["all_added_at_s"] is None:
+                loop["all_added_at_s"] = round(t_step - t_start, 3)
             if not pending:
                 if released or (lookahead is not None):
                     continue
@@ -207,10 +180,15 @@ class VllmEngine:
                 if paused:
                     yield None  # idle heartbeat: a live source's owner may add work or stop here
                 continue
+            if loop["first_step_at_s"] is None:
+                loop["first_step_at_s"] = round(t_step - t_start, 3)
             try:
                 outputs = engine.step()
             except Exception as exc:
                 raise EngineError(f"vLLM engine failed: {exc.__class__.__name__}: {exc}") from None
+            loop["steps"] += 1
+            budget.tick()
+            loop["step_wait_s"] += clock() - t_step
             for out in outputs:
                 rid = out.request_id if out.request_id in pending else internal.get(out.request_id)
                 key = leaders.pop(rid, None)
@@ -225,13 +203,15 @@ class VllmEngine:
                     deltas[rid] = (pieces, n + len(out.outputs[0].token_ids))
                 if not out.finished:
                     continue
-                req, t0, got, blocks = pending.pop(rid)
+                req, t0, got, ticket = pending.pop(rid)
                 internal.pop(got, None)
                 done = self._completion(req, out, t0, deltas.pop(rid, None))
-                budget.release(blocks, done.completion_tokens)
+                budget.release(ticket, done.completion_tokens)
                 if done.preemptions:
                     budget.on_preemption()
+                t_yield = clock()
                 yield done
+                loop["caller_s"] += clock() - t_yield
 
     @staticmethod
     def _completion(req: Request, out, t0: float, streamed: Optional[tuple[list[str], int]] = None) -> Completion:
@@ -248,6 +228,21 @@ class VllmEngine:
             preemptions=getattr(metrics, "num_preemptions", 0) or 0,
         )
 
+    def warmup(self, req: Request, max_tokens: int = 16) -> None:
+        """Generate once for `req` with a small budget and discard the output."""
+        engine = self.llm.llm_engine
+        engine.add_request(f"warmup#{next(self._ids)}", {"prompt_token_ids": req.prompt_token_ids},
+                           self._sampling_params(max_tokens))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    def expected_batch(self, req: Request) -> int:
+        """How many requests like `req` this engine would run at once: max_num_seqs, or fewer
+        when the KV cache holds fewer (with or without KV admission)."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        fit = KvBudget(cache.num_gpu_blocks, cache.block_size).capacity(req)
+        return min(self.cfg.max_num_seqs, fit or self.cfg.max_num_seqs)
+
     def counters(self) -> EngineCounters:
         totals = EngineCounters()
         for m in self.llm.get_metrics():
@@ -262,8 +257,9 @@ class VllmEngine:
         return totals
 
     def adaptation(self) -> dict:
-        """What the engine adapted while running (KV admission), for the run's stats."""
-        return self.budget.describe()
+        """What the engine adapted while running (KV admission), and where the driver's time went."""
+        return self.budget.describe() | {"loop": {k: round(v, 3) if isinstance(v, float) else v
+                                                  for k, v in self.loop.items()}}
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

@@ -1,0 +1,54 @@
+"""What vLLM is started with: its environment and vllm.LLM's keyword arguments."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from runner.engine_config import EngineConfig, SpeculativeSpec
+from runner.models import cache_root
+
+
+def offline_environment(in_process: bool) -> dict[str, str]:
+    """Environment that keeps vLLM and Hugging Face off the network and inside known folders."""
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    defaults = {
+        "VLLM_CACHE_ROOT": str(cache_root() / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_root() / "inductor"),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    return env | {k: v for k, v in defaults.items() if k not in os.environ}
+
+
+def llm_kwargs(cfg: EngineConfig, model_path: Path, seed: int | None) -> dict[str, Any]:
+    """Keyword arguments for vllm.LLM from a validated engine config."""
+    kw: dict[str, Any] = dict(
+        model=str(model_path),
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enforce_eager=cfg.enforce_eager,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        disable_log_stats=False,  # get_metrics() needs stat logging
+        # Compact JSON (fewer tokens a row); engine-wide in vLLM, and only explicit backends accept it.
+        structured_outputs_config={"backend": cfg.structured_output_backend,
+                                   "disable_any_whitespace": cfg.structured_output_backend != "auto"},
+    )
+    for name in ("kv_cache_memory_bytes", "gpu_memory_utilization", "num_gpu_blocks_override",
+                 "max_num_batched_tokens", "block_size"):
+        if getattr(cfg, name) is not None:
+            kw[name] = getattr(cfg, name)
+    if isinstance(cfg.speculative, SpeculativeSpec):
+        kw["speculative_config"] = cfg.speculative.model_dump()
+    if seed is not None:
+        kw["seed"] = seed
+    return kw | cfg.extra_args
