@@ -23,13 +23,29 @@ def req(prompt=100, cacheable=0, max_tokens=64):
 
 def test_budget_admits_while_blocks_fit_and_always_one():
     b = KvBudget(total_blocks=20, block_tokens=16, project=False)
-    r = req(prompt=100, cacheable=64, max_tokens=60)  # (36 + 60) / 16 -> 6 blocks, +1 partial
+    r = req(prompt=100, cacheable=64, max_tokens=60)  # (36 + 60) / 16 -> 6 blocks, +1 partial; prefix 4
+    other_group = Request("o", "h", list(range(100)), 60, 64)
     assert b.need(r) == 7
     assert b.can_admit(r)
-    t = b.admit(r)  # reserve: 2 x 4 prefix blocks = 8
-    assert not b.can_admit(r)  # 7 + 7 + 8 > 20
+    t = b.admit(r)
+    assert b.can_admit(r)  # 7 + 7 + one shared prefix of 4 = 18 <= 20
+    assert not b.can_admit(other_group)  # its own prefix too: 7 + 7 + 4 + 4 > 20
     b.release(t, completion_tokens=30)
     assert b.used == 0 and b.can_admit(req(prompt=5000))  # an empty engine takes any request
+
+
+def test_every_group_in_flight_holds_its_prefix_until_its_last_request():
+    b = KvBudget(total_blocks=1000, block_tokens=16, project=False)
+    g1 = [b.admit(Request(f"a{i}", "a", list(range(200)), 10, 160)) for i in range(3)]  # prefix 10 blocks
+    g2 = b.admit(Request("b0", "b", list(range(400)), 10, 320))  # prefix 20 blocks
+    assert b._reserve() == 30
+    b.release(g1[0], 10)
+    b.release(g1[1], 10)
+    assert b._reserve() == 30  # one request of group a still runs: its prefix stays
+    b.release(g1[2], 10)
+    assert b._reserve() == 20
+    b.release(g2, 10)
+    assert b._reserve() == 0
 
 
 def test_budget_learns_the_output_length():

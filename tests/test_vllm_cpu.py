@@ -93,15 +93,21 @@ def test_real_auto_speculation_and_kv_admission(make_job, tmp_path):
     assert settings.get("speculative_config", {}).get("num_speculative_tokens", 0) == chosen
 
 
-def test_real_tight_kv_cache_admits_only_what_fits(make_job, tmp_path):
-    # 40 blocks of 32 tokens: room for a few sequences at a time, not the 8 that max_num_seqs allows.
-    job = make_job(rows=10, engine={"num_gpu_blocks_override": 40, "max_num_seqs": 8})
+@pytest.mark.parametrize("speculative", ["ngram", None])
+def test_real_tight_kv_cache_admits_only_what_fits(make_job, tmp_path, speculative):
+    """40 blocks of 32 tokens: room for a few sequences at a time, not the 8 that max_num_seqs allows.
+    With drafts the runner reserves every request's peak; without, it also admits by projection."""
+    engine = {"num_gpu_blocks_override": 40, "max_num_seqs": 8}
+    rows = 10 if speculative else 24
+    job = make_job(rows=rows, engine=engine if speculative else engine | {"speculative": None})
     result = run_cli("run", "--quiet", job)
     assert result.returncode == 0, result.stderr[-3000:]
     con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
-    assert con.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 10
+    assert con.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == rows
     preemptions, choice = con.execute("SELECT preemptions, engine_choice_json FROM run_stats").fetchone()
     kv = json.loads(choice)["engines"][0]
     assert kv["kv_total_blocks"] == 40
     assert kv["admissions_deferred"] > 0  # the runner held requests back...
     assert preemptions == 0 and kv["preemptions_seen"] == 0  # ...and no request was preempted
+    if speculative is None:
+        assert kv["admitted_by_projection"] > 0  # requests the sum of peaks would have held back

@@ -29,6 +29,7 @@ class Ticket:
     unshared_tokens: int
     max_tokens: int
     blocks: int  # its peak, as admitted
+    group: str
     step: Optional[int] = None  # engine step it was sent at (None: admitted, not sent yet)
 
 
@@ -54,6 +55,10 @@ class KvBudget:
         self._finished: dict[int, Optional[int]] = {}  # done, but an earlier ticket is still running
         self._cohort_end = 0  # every ticket below this one is done and counted
         self._max_prefix_blocks = 0
+        # Groups with requests in flight -> [requests, prefix blocks]: each such group's shared
+        # prefix is held in the cache (and cannot be evicted) until its last request finishes.
+        self._groups: dict[str, list[int]] = {}
+        self._held_prefix = 0
         self.preemptions_seen = 0
         self.deferred = 0  # times a request waited for blocks
         self.admitted_over_peaks = 0  # requests only the projection let in
@@ -83,9 +88,13 @@ class KvBudget:
         return max(free // self.need(req), 1)
 
     def _reserve(self, req: Optional[Request] = None) -> int:
-        # Shared prefixes of the (at most two) groups that overlap while one ends and the next starts.
-        prefix = req.cacheable_tokens // self.block_tokens if req is not None else 0
-        return 2 * max(self._max_prefix_blocks, prefix)
+        """Blocks held by shared prefixes: every group in flight, plus `req`'s if its group is new."""
+        extra = 0
+        if req is not None:
+            prefix = req.cacheable_tokens // self.block_tokens
+            entry = self._groups.get(req.group_key)
+            extra = prefix if entry is None else max(prefix - entry[1], 0)
+        return self._held_prefix + extra
 
     def can_admit(self, req: Request) -> bool:
         if self.budget is None or not self.tickets:
@@ -127,14 +136,27 @@ class KvBudget:
     def admit(self, req: Request) -> int:
         blocks = self.need(req)
         ticket = next(self._ids)
-        self.tickets[ticket] = Ticket(len(req.prompt_token_ids) - req.cacheable_tokens, req.max_tokens, blocks)
+        self.tickets[ticket] = Ticket(len(req.prompt_token_ids) - req.cacheable_tokens, req.max_tokens, blocks,
+                                      req.group_key)
+        prefix = req.cacheable_tokens // self.block_tokens
+        entry = self._groups.setdefault(req.group_key, [0, 0])
+        entry[0] += 1
+        if prefix > entry[1]:
+            self._held_prefix += prefix - entry[1]
+            entry[1] = prefix
         self.used += blocks
         self.max_admitted = max(self.max_admitted, len(self.tickets))
         self._max_prefix_blocks = max(self._max_prefix_blocks, req.cacheable_tokens // self.block_tokens)
         return ticket
 
     def release(self, ticket: int, completion_tokens: Optional[int]) -> None:
-        self.used -= self.tickets.pop(ticket).blocks
+        t = self.tickets.pop(ticket)
+        self.used -= t.blocks
+        entry = self._groups[t.group]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self._held_prefix -= entry[1]
+            del self._groups[t.group]
         self._finished[ticket] = completion_tokens
         while self._cohort_end in self._finished:
             n = self._finished.pop(self._cohort_end)

@@ -20,6 +20,8 @@ from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.vllm_settings import llm_kwargs, offline_environment
 from runner.spec import SamplingSpec
 
+PREEMPTION_CHECK_S = 1.0  # how often the engine's preemption counter is read (it costs a metrics scan)
+
 _COUNTERS = {
     "vllm:prompt_tokens": "prompt_tokens",
     "vllm:generation_tokens": "generation_tokens",
@@ -109,7 +111,8 @@ class VllmEngine:
         n_held = 0
         exhausted = False
         loop, clock = self.loop, time.perf_counter
-        t_start = clock()
+        t_start = last_check = clock()
+        preempted = self._preemptions() if budget.budget is not None else 0
         while True:
             to_submit: list[tuple[Request, bool, int]] = [(r, False, t) for r, t in released]
             released = []
@@ -188,6 +191,12 @@ class VllmEngine:
                 raise EngineError(f"vLLM engine failed: {exc.__class__.__name__}: {exc}") from None
             loop["steps"] += 1
             budget.tick()
+            if budget.budget is not None and clock() - last_check >= PREEMPTION_CHECK_S:
+                last_check = clock()
+                seen = self._preemptions()
+                if seen > preempted:  # vLLM had to preempt: what is admitted was too much
+                    budget.on_preemption()
+                preempted = seen
             loop["step_wait_s"] += clock() - t_step
             for out in outputs:
                 rid = out.request_id if out.request_id in pending else internal.get(out.request_id)
@@ -207,8 +216,6 @@ class VllmEngine:
                 internal.pop(got, None)
                 done = self._completion(req, out, t0, deltas.pop(rid, None))
                 budget.release(ticket, done.completion_tokens)
-                if done.preemptions:
-                    budget.on_preemption()
                 t_yield = clock()
                 yield done
                 loop["caller_s"] += clock() - t_yield
@@ -242,6 +249,11 @@ class VllmEngine:
         cache = self.llm.llm_engine.vllm_config.cache_config
         fit = KvBudget(cache.num_gpu_blocks, cache.block_size).capacity(req)
         return min(self.cfg.max_num_seqs, fit or self.cfg.max_num_seqs)
+
+    def _preemptions(self) -> int:
+        # The engine-wide counter: per-request preemption counts are not reported by every version.
+        return sum(int(m.value) for m in self.llm.get_metrics()
+                   if m.name == "vllm:num_preemptions" and isinstance(getattr(m, "value", None), (int, float)))
 
     def counters(self) -> EngineCounters:
         totals = EngineCounters()
