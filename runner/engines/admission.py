@@ -54,7 +54,6 @@ class KvBudget:
         # cohort is a fair sample: lengths count once every request admitted before them is done.
         self._finished: dict[int, Optional[int]] = {}  # done, but an earlier ticket is still running
         self._cohort_end = 0  # every ticket below this one is done and counted
-        self._max_prefix_blocks = 0
         # Groups with requests in flight -> [requests, prefix blocks]: each such group's shared
         # prefix is held in the cache (and cannot be evicted) until its last request finishes.
         self._groups: dict[str, list[int]] = {}
@@ -65,8 +64,8 @@ class KvBudget:
         self.max_admitted = 0
 
     def output_estimate(self, max_tokens: int) -> int:
-        """Output tokens to plan for: max_tokens until enough rows finished (and the first wave), then
-        the 90th percentile."""
+        """Output tokens to plan for: max_tokens until enough rows finished, then the 90th percentile
+        of the finished cohort (+8)."""
         if self._out_n < self.min_output_samples:
             return max_tokens
         if self._p90 is None:
@@ -80,11 +79,11 @@ class KvBudget:
         return math.ceil((unshared + self.output_estimate(req.max_tokens)) / self.block_tokens) + 1
 
     def capacity(self, req: Request) -> Optional[int]:
-        """How many requests like `req` the cache holds at their peaks at once (None: unknown)."""
+        """How many requests like `req` the cache holds at their peaks at once, with two groups'
+        prefixes held (one ending, the next starting). None: unknown."""
         if self.budget is None:
             return None
-        prefix_blocks = req.cacheable_tokens // self.block_tokens
-        free = self.budget - 2 * max(prefix_blocks, self._max_prefix_blocks)
+        free = self.budget - 2 * (req.cacheable_tokens // self.block_tokens)
         return max(free // self.need(req), 1)
 
     def _reserve(self, req: Optional[Request] = None) -> int:
@@ -146,7 +145,6 @@ class KvBudget:
             entry[1] = prefix
         self.used += blocks
         self.max_admitted = max(self.max_admitted, len(self.tickets))
-        self._max_prefix_blocks = max(self._max_prefix_blocks, req.cacheable_tokens // self.block_tokens)
         return ticket
 
     def release(self, ticket: int, completion_tokens: Optional[int]) -> None:

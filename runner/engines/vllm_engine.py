@@ -20,7 +20,9 @@ from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.vllm_settings import llm_kwargs, offline_environment
 from runner.spec import SamplingSpec
 
-PREEMPTION_CHECK_S = 1.0  # how often the engine's preemption counter is read (it costs a metrics scan)
+# How often vLLM's engine-wide preemption counter is read (a metrics scan); per-request preemption
+# counts are not reported by every version (none on vLLM 0.26).
+PREEMPTION_CHECK_S = 1.0
 
 _COUNTERS = {
     "vllm:prompt_tokens": "prompt_tokens",
@@ -112,7 +114,7 @@ class VllmEngine:
         exhausted = False
         loop, clock = self.loop, time.perf_counter
         t_start = last_check = clock()
-        preempted = self._preemptions() if budget.budget is not None else 0
+        preempted = self.counters().preemptions if budget.budget is not None else 0
         while True:
             to_submit: list[tuple[Request, bool, int]] = [(r, False, t) for r, t in released]
             released = []
@@ -193,7 +195,7 @@ class VllmEngine:
             budget.tick()
             if budget.budget is not None and clock() - last_check >= PREEMPTION_CHECK_S:
                 last_check = clock()
-                seen = self._preemptions()
+                seen = self.counters().preemptions
                 if seen > preempted:  # vLLM had to preempt: what is admitted was too much
                     budget.on_preemption()
                 preempted = seen
@@ -249,11 +251,6 @@ class VllmEngine:
         cache = self.llm.llm_engine.vllm_config.cache_config
         fit = KvBudget(cache.num_gpu_blocks, cache.block_size).capacity(req)
         return min(self.cfg.max_num_seqs, fit or self.cfg.max_num_seqs)
-
-    def _preemptions(self) -> int:
-        # The engine-wide counter: per-request preemption counts are not reported by every version.
-        return sum(int(m.value) for m in self.llm.get_metrics()
-                   if m.name == "vllm:num_preemptions" and isinstance(getattr(m, "value", None), (int, float)))
 
     def counters(self) -> EngineCounters:
         totals = EngineCounters()
