@@ -93,6 +93,23 @@ def test_real_auto_speculation_and_kv_admission(make_job, tmp_path):
     assert settings.get("speculative_config", {}).get("num_speculative_tokens", 0) == chosen
 
 
+def test_real_auto_speculation_skips_measuring_a_large_batch(make_job, tmp_path):
+    """An engine that runs more requests at once than calibration.max_batch: the plain engine that
+    sized the batch generates the whole job, and nothing is measured."""
+    job = make_job(rows=6, engine={"speculative": "auto", "calibration": {"rows": 2, "max_batch": 1}})
+    result = run_cli("run", "--quiet", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 6
+    assert con.execute("SELECT count(*) FROM results WHERE output_text != ''").fetchone()[0] == 6
+    choice = json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
+    cal = choice["speculative_calibration"]
+    assert cal["chosen_draft_tokens"] == 0 and cal["expected_batch"] > 1 and "phases" not in cal
+    assert len(choice["engines"]) == 1  # one engine started, no drafts
+    settings = json.loads(con.execute("SELECT engine_settings_json FROM runs").fetchone()[0])
+    assert "speculative_config" not in settings
+
+
 @pytest.mark.parametrize("speculative", ["ngram", None])
 def test_real_tight_kv_cache_admits_only_what_fits(make_job, tmp_path, speculative):
     """40 blocks of 32 tokens: room for a few sequences at a time, not the 8 that max_num_seqs allows.
