@@ -47,6 +47,22 @@ def _fmt(v, digits: int = 2, pct: bool = False) -> str:
     return f"{v:,.{digits}f}" if isinstance(v, float) else f"{v:,}"
 
 
+def _speculation(choice_json) -> str:
+    """How the run chose its speculative decoding, from run_stats.engine_choice_json."""
+    import json
+
+    cal = (json.loads(choice_json) if choice_json else {}).get("speculative_calibration")
+    if not cal:
+        return "as configured"
+    k = cal.get("chosen_draft_tokens", 0)
+    what = f"{k} draft tokens" if k else "off"
+    if "reused_calibration_id" in cal:
+        return f"{what} (calibration #{cal['reused_calibration_id']} of {cal['measured_at_utc'][:10]}, reused)"
+    if "calibration_id" in cal:
+        return f"{what} (measured in {cal.get('calibration_s', 0):.1f} s, stored as calibration #{cal['calibration_id']})"
+    return f"{what} ({cal.get('skipped', 'not measured')})"
+
+
 def _open_store(job, db):
     """The results database named by --job or --db, and the job's name when --job was given."""
     from runner.errors import SpecError, StoreError
@@ -98,10 +114,12 @@ def cli():
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary (for cron); errors still print.")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
               help="Where engines run: this process (local) or replicas on a Ray cluster (ray). Default: the job's.")
+@click.option("--recalibrate", is_flag=True,
+              help="speculative: auto: measure again instead of reusing the choice stored for this job's settings.")
 @click.option("--engine", type=click.Choice(["vllm", "fake"]), default="vllm", hidden=True,
               help="Test seam: the fake engine exercises the runner without generating.")
 @reports_errors
-def run(job, restart, wait, quiet, executor, engine):
+def run(job, restart, wait, quiet, executor, recalibrate, engine):
     """Run JOB: generate an extraction for every input row and store it in SQLite.
 
     Resumes by default: rows already stored for the job are skipped.
@@ -125,7 +143,8 @@ def run(job, restart, wait, quiet, executor, engine):
         progress = functools.partial(tqdm, desc=spec.name, unit="doc", file=sys.stderr, dynamic_ncols=True,
                                      mininterval=0.5 if tty else 30.0, smoothing=0.1)
     summary = run_job(spec, engine_factory=lambda j: build_engine(j, engine), restart=restart, wait=wait,
-                      progress_factory=(lambda total: progress(total=total)) if progress else None)
+                      progress_factory=(lambda total: progress(total=total)) if progress else None,
+                      recalibrate=recalibrate)
     if quiet:
         return
     s = summary.stats
@@ -137,6 +156,7 @@ def run(job, restart, wait, quiet, executor, engine):
         ("output tok/s", _fmt(s["output_tokens_per_s"], 1)),
         ("prefix-cache hit rate", f"{_fmt(s['prefix_cache_hit_rate'], pct=True)} (plan bound {_fmt(s['plan_prefix_share'], pct=True)})"),
         ("spec. acceptance", _fmt(s["spec_acceptance_rate"], pct=True)),
+        ("speculation", _speculation(s.get("engine_choice_json"))),
         ("wall / generation", f"{s['wall_s']:.1f} s / {s['generation_s']:.1f} s"),
     ]))
 
@@ -157,7 +177,7 @@ def validate(job):
 
     spec = load_job(job)
     scan = scan_input(spec.input_path, spec.spec.input)
-    model = "ready" if is_model_dir(spec.model_path) else "MISSING (runner prepare-model)"
+    model = "ready" if is_model_dir(spec.model_path, weights=spec.engine.needs_weights) else "MISSING (runner prepare-model)"
     click.echo(f"OK: {job}")
     click.echo(_table([
         ("input", f"{scan.rows:,} rows in {len(scan.files)} file(s)"),
@@ -234,6 +254,7 @@ def stats(run_id, job, db, last):
             ("output / total tok/s", f"{_fmt(s.get('output_tokens_per_s'), 1)} / {_fmt(s.get('total_tokens_per_s'), 1)}"),
             ("prefix-cache hit rate", f"{_fmt(s.get('prefix_cache_hit_rate'), pct=True)} (plan bound {_fmt(s.get('plan_prefix_share'), pct=True)})"),
             ("spec. acceptance", _fmt(s.get("spec_acceptance_rate"), pct=True)),
+            ("speculation", _speculation(s.get("engine_choice_json"))),
             ("wall / generation s", f"{_fmt(s.get('wall_s'), 1)} / {_fmt(s.get('generation_s'), 1)}"),
             ("engine", f"{r['engine_backend'] or '-'} {r['engine_version'] or ''} {r['engine_settings_json'] or ''}"),
         ] + ([("error", r["error"])] if r["error"] else [])))
@@ -281,6 +302,45 @@ def export(run_id, job, db, fmt, output):
     store, _ = _open_store(job, db)
     n = export_run(store, run_id, fmt, Path(output))
     click.echo(f"Exported {n:,} rows to {output}")
+
+
+@cli.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--wait", is_flag=True, help="If the job is running, wait for it instead of exiting.")
+@click.option("--engine", type=click.Choice(["vllm", "fake"]), default="vllm", hidden=True)
+@reports_errors
+def calibrate(job, wait, engine):
+    """Measure JOB's speculative decoding on its own rows and store the choice.
+
+    For engine configs with `speculative: auto`. Runs slices of the job's rows without drafts and
+    with ngram drafts, keeps the faster setting, and stores it in the job's database: later runs
+    with the same model, engine settings, vLLM version, device, schema, sampling and prompts start
+    one engine with it. Results of the slices are not stored.
+
+    \b
+    Example:
+      runner calibrate jobs/summarize.yaml
+    """
+    from runner.engines import build_engine
+    from runner.errors import SpecError
+    from runner.run import calibrate_job
+    from runner.spec import load_job
+
+    spec = load_job(job)
+    if spec.engine.speculative != "auto":
+        raise SpecError(f"{spec.engine_config_path}: speculative: calibrate needs `speculative: auto` "
+                        f"(the job's engine config fixes it)")
+    record = calibrate_job(spec, engine_factory=lambda j: build_engine(j, engine), wait=wait)
+    if "calibration_id" in record:
+        k = record["stored_draft_tokens"]
+        click.echo(f"Speculation: {f'{k} draft tokens' if k else 'off'} (stored as calibration #{record['calibration_id']})")
+    else:
+        click.echo(f"Speculation: nothing stored ({record.get('skipped', 'not measured')})")
+    rows = [(f"{p['draft_tokens_setting']} drafts", f"{p['rows']} rows, {p['output_tokens_per_s']:.1f} output tok/s"
+             + (f", acceptance by position {p['acceptance_by_position']}" if p["acceptance_by_position"] else ""))
+            for p in record.get("phases", [])]
+    if rows:
+        click.echo(_table(rows))
 
 
 @cli.command("prepare-model")

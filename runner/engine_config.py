@@ -22,6 +22,9 @@ class CalibrationSpec(Strict):
     """How `speculative: auto` measures the job (see runner/calibrate.py)."""
 
     rows: int = Field(default=128, ge=1, description="rows in each measured slice")
+    assumed_max_speedup: float = Field(default=2.0, gt=1, description=(
+        "the most drafts are assumed to speed generation up: a first run measures speculation only "
+        "when the engine starts it costs are less than what this speed-up would save on the job"))
     max_draft_tokens: int = Field(default=6, ge=1)
     min_draft_tokens: int = Field(default=2, ge=1)
     max_batch: int = Field(default=256, ge=1, description=(
@@ -33,6 +36,9 @@ class CalibrationSpec(Strict):
 class EngineConfig(Strict):
     model: str = Field(description="model folder (relative to the config file) or builtin:NAME")
     dtype: str = "auto"
+    load_format: Optional[str] = Field(default=None, description=(
+        "vLLM's load_format; `dummy` starts the model with random weights from its config.json "
+        "alone (benchmarks of a model's shape without its weights)"))
     max_model_len: int = Field(default=2048, ge=16)
     kv_cache_memory_bytes: Optional[int] = Field(default=None, ge=1 << 20)
     gpu_memory_utilization: Optional[float] = Field(default=None, gt=0, le=1)
@@ -55,6 +61,11 @@ class EngineConfig(Strict):
         default=None, ge=1, description="requests kept queued in the engine; default 4 x max_num_seqs"
     )
     extra_args: dict[str, Any] = Field(default={}, description="other keyword arguments for vllm.LLM")
+
+    @property
+    def needs_weights(self) -> bool:
+        """False when vLLM fills random weights (load_format: dummy), so a config-only folder loads."""
+        return (self.load_format or self.extra_args.get("load_format")) != "dummy"
 
 
 # Every EngineConfig field, optional: what a job may override.

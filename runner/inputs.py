@@ -13,8 +13,12 @@ from pathlib import Path
 from typing import Iterator
 
 from runner.errors import InputError
+from runner.plan import group_key
 from runner.prompting import Document
 from runner.spec import InputSpec
+
+
+MAX_PROMPT_KEYS = 100_000  # distinct system prompts remembered for the prompt-set fingerprint
 
 
 @dataclass
@@ -24,6 +28,7 @@ class InputScan:
     files: list[str]
     rows: int  # after the job's limit
     ids: set[str]
+    system_prompt_keys: set[str]  # group keys of the distinct system prompts in the column (empty: none)
 
 
 def input_files(path: str) -> list[str]:
@@ -118,9 +123,12 @@ def _id_column(file: str, batch, name: str):
 
 def scan_input(input_path: str, spec: InputSpec) -> InputScan:
     """Check the whole input once before a run: raises InputError on the first problem."""
+    import pyarrow.compute as pc
+
     files = input_files(input_path)
     cols = [spec.id_column, spec.text_column] + ([spec.system_prompt_column] if spec.system_prompt_column else [])
     seen: set[str] = set()
+    prompt_keys: set[str] = set()
     rows = 0
     for file, batch in _batches(files, spec, cols):
         ids = _id_column(file, batch, spec.id_column)
@@ -137,6 +145,8 @@ def scan_input(input_path: str, spec: InputSpec) -> InputScan:
             sp = _text_column(file, batch, spec.system_prompt_column, "input.system_prompt_column")
             if sp.null_count:
                 raise InputError(f"{file}: column {spec.system_prompt_column!r} has {sp.null_count} null system prompts")
+            if len(prompt_keys) < MAX_PROMPT_KEYS:
+                prompt_keys.update(group_key(v) for v in pc.unique(sp).to_pylist())
         for rid in ids.to_pylist():
             if rid in seen:
                 raise InputError(f"{file}: duplicate id {rid!r} in column {spec.id_column!r} (input.id_column)")
@@ -144,7 +154,7 @@ def scan_input(input_path: str, spec: InputSpec) -> InputScan:
         rows += batch.num_rows
     if rows == 0:
         raise InputError(f"{input_path}: the input has no rows")
-    return InputScan(files=files, rows=rows, ids=seen)
+    return InputScan(files=files, rows=rows, ids=seen, system_prompt_keys=prompt_keys)
 
 
 def iter_documents(input_path: str, spec: InputSpec, system_prompt: str | None) -> Iterator[Document]:

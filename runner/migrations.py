@@ -104,7 +104,27 @@ def m003_run_samples(conn: Connection) -> None:
         )""")
 
 
-MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples]
+def m004_calibrations(conn: Connection) -> None:
+    # Speculative-decoding choices, measured once and reused while their key holds (see
+    # runner/fingerprint.py): a nightly job pays for calibration on its first night only.
+    conn.exec_driver_sql("""
+        CREATE TABLE calibrations (
+            id INTEGER PRIMARY KEY,
+            key_sha256 TEXT NOT NULL,
+            key_json TEXT NOT NULL,
+            job_name TEXT NOT NULL,
+            run_id INTEGER,  -- the run that measured it; NULL for `runner calibrate`
+            chosen_draft_tokens INTEGER NOT NULL,
+            speculative_json TEXT,  -- vLLM's speculative_config to run with; NULL: no drafts
+            kv_total_blocks INTEGER,  -- the engine's KV cache when measured; a different one measures again
+            engine_start_s REAL,
+            record_json TEXT NOT NULL,
+            created_at_utc TEXT NOT NULL
+        )""")
+    conn.exec_driver_sql("CREATE INDEX calibrations_key ON calibrations (key_sha256, id)")
+
+
+MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations]
 
 
 def utc_now() -> str:

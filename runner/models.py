@@ -5,6 +5,7 @@ under the runner's cache. Job configs name it as `model: builtin:smollm2-135m-in
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -40,9 +41,22 @@ def resolve_model(model: str, base_dir: Path) -> Path:
     return path if path.is_absolute() else (base_dir / path).resolve()
 
 
-def is_model_dir(path: Path) -> bool:
-    """True when path holds a loadable Hugging Face model (config and weights)."""
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+def is_model_dir(path: Path, weights: bool = True) -> bool:
+    """True when path holds a loadable Hugging Face model: its config, and its weights unless
+    `weights` is False (vLLM's `load_format: dummy` fills random weights from the config alone)."""
+    return (path / "config.json").is_file() and (not weights or any(path.glob("*.safetensors")))
+
+
+def model_fingerprint(path: Path) -> str:
+    """A short hash of what a model folder holds: its config and the names and sizes of its files
+    (the weights are not read: hashing gigabytes would cost more than the engine start)."""
+    h = hashlib.sha256()
+    config = path / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for f in sorted(path.glob("*")) if path.is_dir() else []:
+        if f.is_file():
+            h.update(f"{f.name}:{f.stat().st_size};".encode())
+    return h.hexdigest()[:16]
 
 
 def gguf_path() -> Path:

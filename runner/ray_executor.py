@@ -150,7 +150,8 @@ class RayEngine:
         self.cap = job.engine.max_in_flight or 4 * job.engine.max_num_seqs
         self.info = EngineInfo(backend="vllm+ray", version=infos[0].version,
                                settings=infos[0].settings | {"replicas": cfg.replicas,
-                                                             "gpus_per_replica": cfg.gpus_per_replica})
+                                                             "gpus_per_replica": cfg.gpus_per_replica},
+                               kv_total_blocks=infos[0].kv_total_blocks)
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
         n = len(self.replicas)

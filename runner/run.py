@@ -12,13 +12,15 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Protocol
 
-from runner.calibrate import Phase, calibrate
-from runner.engines import Completion, Engine, EngineCounters, Request, build_engine
+from runner.calibrate import CalibrationContext, calibrate
+from runner.engines import Completion, Engine, Request, build_engine
 from runner.errors import RunnerError
+from runner.fingerprint import calibration_key
 from runner.inputs import iter_documents, prefetch, scan_input
 from runner.lock import JobLock
 from runner.outputs import FAILED, OK, STATUSES, OutputChecker
 from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound, plan_stream
+from runner.run_engines import RunEngines
 from runner.prompting import Document, PromptBuilder
 from runner.spec import Job
 from runner.stats import build_stats
@@ -93,8 +95,10 @@ class RequestBuilder:
 
 
 def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine, restart: bool = False,
-            wait: bool = False, progress_factory: Optional[Callable[[int], Progress]] = None) -> RunSummary:
-    """Run a job to completion (or resume it). Raises RunnerError subclasses; never prints."""
+            wait: bool = False, progress_factory: Optional[Callable[[int], Progress]] = None,
+            recalibrate: bool = False, clock: Callable[[], float] = time.perf_counter) -> RunSummary:
+    """Run a job to completion (or resume it). Raises RunnerError subclasses; never prints.
+    `recalibrate`: measure `speculative: auto` again instead of reusing a stored choice."""
     # Bad input or a missing model stops the run here, before anything is written.
     scan = scan_input(job.input_path, job.spec.input)
     builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
@@ -107,9 +111,11 @@ def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine,
         skipped = len(scan.ids & done)
         run_id = store.begin_run(job.name, str(job.path), job.snapshot())
         old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM,)}
+        todo = scan.rows - skipped
+        ctx = CalibrationContext(store, calibration_key(job, scan.system_prompt_keys), todo, run_id, force=recalibrate)
         try:
-            summary = _execute(job, store, run_id, engine_factory, builder, done, scan.rows - skipped, skipped,
-                               progress_factory)
+            summary = _execute(job, store, run_id, RunEngines(job, engine_factory, store, run_id, clock), builder,
+                               done, todo, skipped, progress_factory, ctx)
         except BaseException as exc:
             status = "interrupted" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else "failed"
             store.finish_run(run_id, status, error=str(exc) or exc.__class__.__name__)
@@ -121,21 +127,22 @@ def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine,
         return summary
 
 
-def _execute(job, store, run_id, engine_factory, builder, done, todo, skipped, progress_factory) -> RunSummary:
-    t_start = time.perf_counter()
+def _execute(job, store, run_id, engines: RunEngines, builder, done, todo, skipped, progress_factory,
+             ctx: CalibrationContext) -> RunSummary:
+    clock = engines.clock
+    t_start = clock()
     progress = progress_factory(todo) if progress_factory else None
-    loop = _Loop(job, store, run_id, RequestBuilder(job, builder), progress)
+    loop = _Loop(job, store, run_id, RequestBuilder(job, builder), progress, clock=clock)
     # The input is read ahead from here on, while the engine starts.
     documents = prefetch(_documents(job), job.spec.plan_window_rows) if todo else iter(())
     source: Iterator[Request] = loop.requests(plan_stream(documents, job.spec.plan_window_rows, done))
-    engines = _Engines(job, engine_factory, store, run_id)
     choice = None
     try:
         try:
             if todo == 0:  # every row is stored already: a rerun from cron costs no engine start
                 pass
             elif job.engine.speculative == "auto":
-                choice, source = calibrate(job, engines, loop, source)
+                choice, source = calibrate(job, engines, loop, source, ctx)
             else:
                 engines.start(job)
             while todo:
@@ -149,11 +156,32 @@ def _execute(job, store, run_id, engine_factory, builder, done, todo, skipped, p
     finally:
         if progress is not None and hasattr(progress, "close"):
             progress.close()
-    stats = build_stats(loop.counts, loop.tokens, engines.used, time.perf_counter() - t_start, engines.load_s,
+    stats = build_stats(loop.counts, loop.tokens, engines.used, clock() - t_start, engines.load_s,
                         engines.gen_s, loop.rb.plan().prefix_share, skipped)
-    stats["engine_choice_json"] = json.dumps({"speculative_calibration": choice, "engines": engines.adaptations})
+    stats["engine_choice_json"] = json.dumps({"speculative_calibration": choice, "engines": engines.adaptations,
+                                              "engine_starts_s": [round(x, 3) for x in engines.starts]})
     store.finish_run(run_id, "completed", stats=stats)
     return RunSummary(run_id, str(job.database_path), 0, 0, dict(loop.counts), stats)
+
+
+def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine, wait: bool = False,
+                  clock: Callable[[], float] = time.perf_counter) -> dict:
+    """`runner calibrate`: measure the job's speculation on its own rows (done or not) and store the
+    choice for later runs. Nothing is written to the job's results."""
+    scan = scan_input(job.input_path, job.spec.input)
+    builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
+    with JobLock(job.database_path, job.name, wait=wait):
+        store = Store(job.database_path)
+        loop = _Loop(job, store, None, RequestBuilder(job, builder), None, keep_results=False, clock=clock)
+        documents = prefetch(_documents(job), job.spec.plan_window_rows)
+        source = loop.requests(plan_stream(documents, job.spec.plan_window_rows))
+        engines = RunEngines(job, engine_factory, store, None, clock)
+        ctx = CalibrationContext(store, calibration_key(job, scan.system_prompt_keys), scan.rows, None, force=True)
+        try:
+            record, _ = calibrate(job, engines, loop, source, ctx)
+        finally:
+            engines.stop()
+        return record
 
 
 def _documents(job: Job) -> Iterator[Document]:
@@ -166,63 +194,14 @@ def _documents(job: Job) -> Iterator[Document]:
     return iter_documents(job.input_path, job.spec.input, job.system_prompt)
 
 
-class _Engines:
-    """Starts the engines of one run in turn and sums their load time, generation time and counters."""
-
-    def __init__(self, job: Job, factory: Callable[[Job], Engine], store: Store, run_id: int):
-        self.job, self.factory, self.store, self.run_id = job, factory, store, run_id
-        self.engine: Optional[Engine] = None
-        self.load_s = self.gen_s = 0.0
-        self.used = EngineCounters()
-        self.adaptations: list[dict] = []
-        self._before = EngineCounters()
-
-    def start(self, job: Job) -> Engine:
-        self.stop()
-        t0 = time.perf_counter()
-        self.engine = self.factory(job)
-        self.load_s += time.perf_counter() - t0
-        self._before = self.engine.counters()
-        info = self.engine.info  # the last engine started runs the main pass: its settings are the run's
-        self.store.set_engine(self.run_id, info.backend, info.version, info.settings)
-        return self.engine
-
-    def warmup(self, req: Request) -> None:
-        """One throwaway request before a measured slice: one-time costs (the draft proposer's JIT
-        compile, the schema's grammar) stay out of the measurement and out of the run's counters."""
-        warm = getattr(self.engine, "warmup", None)
-        if warm is not None:
-            t0 = time.perf_counter()
-            warm(req)
-            self.load_s += time.perf_counter() - t0
-            self._before = self.engine.counters()
-
-    def run(self, loop: "_Loop", source, draft_tokens: int = 0) -> Phase:
-        rows0, out0 = sum(loop.counts.values()), loop.tokens["completion"]
-        c0, t0 = self.engine.counters(), time.perf_counter()
-        for c in self.engine.generate(source):
-            loop.finish(c)
-        loop.drain_immediate()
-        dt = time.perf_counter() - t0
-        self.gen_s += dt
-        return Phase(draft_tokens, sum(loop.counts.values()) - rows0, loop.tokens["completion"] - out0, dt,
-                     self.engine.counters() - c0)
-
-    def stop(self) -> None:
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
-            try:
-                self.used = self.used + (engine.counters() - self._before)
-                self.adaptations.append({"settings": engine.info.settings, **engine.adaptation()})
-            finally:
-                engine.close()
-
-
 class _Loop:
     """State of one pass: in-flight requests, retries, the commit buffer and counts."""
 
-    def __init__(self, job: Job, store: Store, run_id: int, requests: RequestBuilder, progress):
+    def __init__(self, job: Job, store: Store, run_id: Optional[int], requests: RequestBuilder, progress,
+                 keep_results: bool = True, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
         self.job, self.store, self.run_id, self.rb, self.progress = job, store, run_id, requests, progress
+        self.keep_results = keep_results  # False: measure only (runner calibrate)
         self.checker = OutputChecker(job.output_schema)
         self.inflight: dict[str, tuple[Request, int, Optional[str]]] = {}  # row -> (request, attempt, first status)
         self.immediate: deque[tuple[Completion, str]] = deque()
@@ -231,7 +210,7 @@ class _Loop:
         self.counts = {s: 0 for s in STATUSES}
         self.tokens = {"prompt": 0, "completion": 0, "cached": 0}
         self.samples: list[dict] = []
-        self.t0 = self.last_sample = time.perf_counter()
+        self.t0 = self.last_sample = clock()
 
     def requests(self, groups) -> Iterator[Request]:
         for group in groups:
@@ -275,7 +254,7 @@ class _Loop:
         self.tokens["prompt"] += c.prompt_tokens
         self.tokens["completion"] += c.completion_tokens
         self.tokens["cached"] += c.cached_prompt_tokens
-        now = time.perf_counter()
+        now = self.clock()
         if now - self.last_sample >= SAMPLE_EVERY_S:
             self.sample(now)
         if len(self.buffer) >= self.job.spec.output.commit_every_rows:
@@ -290,7 +269,10 @@ class _Loop:
                                  cached_prompt_tokens=self.tokens["cached"]))
 
     def flush(self) -> None:
+        if not self.keep_results:
+            self.buffer, self.samples = [], []
+            return
         if self.buffer or self.samples:
-            self.sample(time.perf_counter())  # every commit also marks a point on the throughput curve
+            self.sample(self.clock())  # every commit also marks a point on the throughput curve
         self.store.write_results(self.buffer, self.samples)
         self.buffer, self.samples = [], []

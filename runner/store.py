@@ -42,6 +42,7 @@ class Store:
         self.results = meta.tables["results"]
         self.run_stats = meta.tables["run_stats"]
         self.run_samples = meta.tables["run_samples"]
+        self.calibrations = meta.tables["calibrations"]
 
     def close(self) -> None:
         self.engine.dispose()
@@ -99,6 +100,26 @@ class Store:
     def delete_results(self, job_name: str) -> int:
         with self._tx() as conn:
             return conn.execute(self.results.delete().where(self.results.c.job_name == job_name)).rowcount
+
+    # -- calibrations -----------------------------------------------------------------------
+    def latest_calibration(self, key_sha256: str) -> Optional[dict]:
+        """The newest stored calibration for this key, or None."""
+        q = select(self.calibrations).where(self.calibrations.c.key_sha256 == key_sha256) \
+            .order_by(self.calibrations.c.id.desc()).limit(1)
+        with self.engine.connect() as conn:
+            row = conn.execute(q).mappings().first()
+            return dict(row) if row else None
+
+    def save_calibration(self, *, key: dict, key_sha256: str, job_name: str, run_id: Optional[int],
+                         chosen_draft_tokens: int, speculative: Optional[dict], kv_total_blocks: Optional[int],
+                         engine_start_s: Optional[float], record: dict) -> int:
+        values = dict(key_sha256=key_sha256, key_json=json.dumps(key, sort_keys=True), job_name=job_name,
+                      run_id=run_id, chosen_draft_tokens=chosen_draft_tokens,
+                      speculative_json=json.dumps(speculative, sort_keys=True) if speculative else None,
+                      kv_total_blocks=kv_total_blocks, engine_start_s=engine_start_s,
+                      record_json=json.dumps(record, sort_keys=True, default=str), created_at_utc=utc_now())
+        with self._tx() as conn:
+            return conn.execute(self.calibrations.insert().values(**values)).inserted_primary_key[0]
 
     # -- reading ----------------------------------------------------------------------------
     def run(self, run_id: int) -> Optional[dict]:

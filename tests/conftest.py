@@ -62,7 +62,7 @@ def make_job(tmp_path, model_dir):
         (tmp_path / "schemas").mkdir(exist_ok=True)
         (tmp_path / "schemas" / "out.json").write_text(json.dumps(schema or SCHEMA))
         cfg = {
-            "model": str(model_dir), "dtype": "bfloat16", "max_model_len": 1024,
+            "model": str(model_dir), "dtype": "auto", "max_model_len": 1024,
             "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 8, "block_size": 32, "enforce_eager": True, "in_process": True,
             "speculative": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2},
         } | (engine or {})

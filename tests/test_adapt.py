@@ -163,17 +163,14 @@ def test_auto_speculation_calibrates_on_the_jobs_own_rows(make_job):
     assert cal["chosen_draft_tokens"] in (0, 5) and len(choice["engines"]) == len(started)
 
 
-def test_a_predicted_draft_length_is_measured_and_dropped_when_it_loses(make_job, monkeypatch):
+def test_a_predicted_draft_length_is_measured_and_dropped_when_it_loses(make_job):
     """k=6 is measured slower than no drafts, but its acceptance predicts that k=2 would win; the
     runner measures k=2 before trusting it, finds it slower still, and runs the job without drafts."""
     import types
 
-    import runner.run
-
     job = load_job(make_job(rows=40, engine={"speculative": "auto", "calibration": {"rows": 10, "max_draft_tokens": 6}}))
     cost = {None: 0.02, 6: 0.03, 2: 0.08}  # seconds a row, on a fake clock: the test cannot be timing-flaky
     clock = types.SimpleNamespace(now=0.0)
-    monkeypatch.setattr(runner.run, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
     started = []
 
     class Drafting(FakeEngine):
@@ -199,7 +196,7 @@ def test_a_predicted_draft_length_is_measured_and_dropped_when_it_loses(make_job
         engines.append(e)
         return e
 
-    s = run_job(job, engine_factory=factory)
+    s = run_job(job, engine_factory=factory, clock=lambda: clock.now)
     assert started == [None, 6, 2, None]
     # Every measured engine ran one throwaway request first; the main-pass engine did not need one.
     assert [len(e.warmed) for e in engines] == [1, 1, 1, 0]

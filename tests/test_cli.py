@@ -18,7 +18,7 @@ def invoke():
 
 
 @pytest.mark.parametrize("command", [[], ["run"], ["validate"], ["plan"], ["stats"], ["report"], ["export"],
-                                     ["prepare-model"]])
+                                     ["prepare-model"], ["calibrate"]])
 def test_every_command_has_help_with_an_example(invoke, command):
     out = invoke(*command, "--help")
     assert out.exit_code == 0
@@ -87,3 +87,22 @@ def test_stats_without_database(invoke, tmp_path):
     assert result.exit_code == 6 and "Error: " in result.output and "no results database" in result.output
     result = CliRunner().invoke(cli, ["stats"])
     assert result.exit_code == 2 and "give --job JOB or --db DATABASE" in result.output
+
+
+def test_calibrate_then_run_reuses_the_stored_choice(invoke, make_job):
+    job = make_job(rows=20, engine={"speculative": "auto", "calibration": {"rows": 4}})
+    out = invoke("calibrate", "--engine", "fake", job)
+    assert out.exit_code == 0, out.output
+    assert "stored as calibration #1" in out.output and "0 drafts" in out.output and "6 drafts" in out.output
+    out = invoke("run", "--engine", "fake", job)
+    assert out.exit_code == 0, out.output
+    assert "(calibration #1 of " in out.output and "reused" in out.output
+    out = invoke("run", "--engine", "fake", "--restart", "--recalibrate", job)
+    assert "stored as calibration #2" in out.output
+    out = invoke("stats", "--job", job)
+    assert "stored as calibration #2" in out.output
+
+
+def test_calibrate_refuses_a_fixed_speculative_setting(invoke, make_job):
+    out = invoke("calibrate", "--engine", "fake", make_job(rows=4))
+    assert out.exit_code == 2 and out.output.startswith("Error: ") and "speculative: auto" in out.output

@@ -30,7 +30,7 @@ def real_db(tmp_path_factory, model_dir):
     write_docs(root / "docs.parquet", 10)
     (root / "schema.json").write_text(json.dumps(SCHEMA))
     (root / "engine.yaml").write_text(yaml.safe_dump({
-        "model": str(model_dir), "dtype": "bfloat16", "max_model_len": 1024, "kv_cache_memory_bytes": 256 << 20,
+        "model": str(model_dir), "dtype": "auto", "max_model_len": 1024, "kv_cache_memory_bytes": 256 << 20,
         "max_num_seqs": 4, "block_size": 32, "enforce_eager": True, "in_process": True,
         "speculative": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}}))
     (root / "job.yaml").write_text(yaml.safe_dump({

@@ -111,3 +111,16 @@ def test_builtin_model_resolves_under_cache(make_job, tmp_path, monkeypatch):
     path = make_job(engine={"model": "builtin:smollm2-135m-instruct"})
     assert load_job(path).model_path == tmp_path / "cache" / "models" / "smollm2-135m-instruct"
     json.dumps(load_job(path).snapshot())  # the snapshot is JSON-serialisable
+
+
+def test_auto_dtype_is_float32_on_a_cpu_without_native_bf16(tmp_path):
+    from runner.engines.vllm_settings import cpu_has_bf16, resolve_dtype
+
+    old, new = tmp_path / "icelake", tmp_path / "sapphire"
+    old.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n")
+    new.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16\n")
+    assert not cpu_has_bf16(str(old)) and cpu_has_bf16(str(new))
+    assert resolve_dtype("auto", cpu_build=True, has_bf16=False) == "float32"
+    assert resolve_dtype("auto", cpu_build=True, has_bf16=True) == "auto"  # the model's bfloat16
+    assert resolve_dtype("auto", cpu_build=False, has_bf16=False) == "auto"  # GPUs do bf16
+    assert resolve_dtype("bfloat16", cpu_build=True, has_bf16=False) == "bfloat16"  # asked for explicitly

@@ -67,30 +67,64 @@ def test_real_retry_with_a_larger_budget(make_job, tmp_path):
     assert all(tokens > 8 for *_, tokens in rows)  # the second attempt had the larger budget
 
 
-def test_real_auto_speculation_and_kv_admission(make_job, tmp_path):
+def test_real_calibration_is_measured_once_then_reused(make_job, tmp_path):
     from tests.conftest import SYSTEM_B, write_docs
 
     # One group, the answer format spelled out: ngram drafts find matches even in a short slice.
     example = ' Answer like {"summary":"The blender broke.","sentiment":"negative"}'
-    docs = write_docs(tmp_path / "data" / "docs.parquet", 14, systems=(SYSTEM_B + example,))
+    docs = write_docs(tmp_path / "data" / "docs.parquet", 18, systems=(SYSTEM_B + example,))
     job = make_job(docs=docs, engine={"speculative": "auto", "calibration": {"rows": 6, "max_draft_tokens": 4}})
-    result = run_cli("run", "--quiet", job)
+    result = run_cli("calibrate", job)
     assert result.returncode == 0, result.stderr[-3000:]
     con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
-    assert con.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 14
-    choice = json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
-    cal = choice["speculative_calibration"]
+    assert con.execute("SELECT count(*) FROM results").fetchone()[0] == 0  # measuring stores no rows
+    chosen, kv_blocks, record = con.execute(
+        "SELECT chosen_draft_tokens, kv_total_blocks, record_json FROM calibrations").fetchone()
+    cal = json.loads(record)
     plain_phase, spec_phase = cal["phases"][:2]
     assert 1 <= cal["expected_batch"] <= 8  # sized by the real engine: its KV cache and max_num_seqs
     assert spec_phase["draft_tokens_setting"] == 4 and spec_phase["counters"]["spec_drafts"] > 0
     assert len(spec_phase["acceptance_by_position"]) == 4 and 0 < spec_phase["acceptance_by_position"][0] <= 1
     assert plain_phase["draft_tokens_setting"] == 0 and plain_phase["counters"]["spec_drafts"] == 0
-    assert cal["chosen_draft_tokens"] in (0, 2, 3, 4)
+    assert kv_blocks > 0 and chosen == cal["stored_draft_tokens"]
+
+    result = run_cli("run", "--quiet", job)  # the same key: one engine, started with the stored choice
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert con.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 18
+    choice = json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
+    assert choice["speculative_calibration"]["reused_calibration_id"] == 1 and len(choice["engines"]) == 1
     # vLLM told the runner how many KV blocks it has, and the runner stored what it admitted under.
-    assert all(e["kv_total_blocks"] > 0 and e["kv_block_tokens"] == 32 for e in choice["engines"])
+    assert choice["engines"][0]["kv_total_blocks"] == kv_blocks and choice["engines"][0]["kv_block_tokens"] == 32
     settings = json.loads(con.execute("SELECT engine_settings_json FROM runs").fetchone()[0])
-    chosen = cal["chosen_draft_tokens"]
     assert settings.get("speculative_config", {}).get("num_speculative_tokens", 0) == chosen
+
+
+def test_real_first_run_skips_calibration_that_cannot_pay(make_job, tmp_path):
+    """14 rows cannot win back the seconds two more engine starts cost: one engine, nothing stored."""
+    job = make_job(rows=14, engine={"speculative": "auto", "calibration": {"rows": 4}})
+    result = run_cli("run", "--quiet", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 14
+    choice = json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
+    rule = choice["speculative_calibration"]["cost_rule"]
+    assert rule["measure"] is False and rule["cost_s"] > rule["win_s"] and len(choice["engines"]) == 1
+    assert con.execute("SELECT count(*) FROM calibrations").fetchone()[0] == 0
+
+
+def test_real_config_only_model_with_dummy_weights(make_job, tmp_path, model_dir):
+    """A model folder with no weights runs with load_format: dummy (benchmarks of a model's shape)."""
+    from bench.models import write_dummy_model
+
+    folder = write_dummy_model(model_dir, tmp_path / "tiny", "tiny")
+    job = make_job(rows=4, engine={"model": str(folder), "load_format": "dummy", "speculative": None})
+    result = run_cli("validate", job)
+    assert result.returncode == 0 and "[ready]" in result.stdout
+    result = run_cli("run", "--quiet", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT count(*) FROM results WHERE completion_tokens > 0").fetchone()[0] == 4
+    assert json.loads(con.execute("SELECT engine_settings_json FROM runs").fetchone()[0])["load_format"] == "dummy"
 
 
 def test_real_auto_speculation_skips_measuring_a_large_batch(make_job, tmp_path):

@@ -75,6 +75,7 @@ class EngineInfo:
     backend: str
     version: str
     settings: dict = field(default_factory=dict)
+    kv_total_blocks: Optional[int] = None  # the KV cache the engine got (None: unknown)
 
 
 class Engine(Protocol):

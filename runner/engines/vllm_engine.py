@@ -40,8 +40,10 @@ class VllmEngine:
     """Streams Requests through one vllm.LLM."""
 
     def __init__(self, cfg: EngineConfig, model_path: Path, sampling: SamplingSpec, schema: dict):
-        if not is_model_dir(model_path):
-            raise ModelError(f"{model_path}: model folder not found or incomplete (for the builtin model run: runner prepare-model)")
+        if not is_model_dir(model_path, weights=cfg.needs_weights):
+            raise ModelError(f"{model_path}: model folder not found or incomplete: no config.json or no *.safetensors "
+                             "weights (for the builtin model run: runner prepare-model; a config-only folder needs "
+                             "load_format: dummy)")
         os.environ.update(offline_environment(cfg.in_process))
         try:
             import vllm
@@ -71,7 +73,8 @@ class VllmEngine:
         self.loop = {"steps": 0, "step_wait_s": 0.0, "add_request_s": 0.0, "build_s": 0.0, "caller_s": 0.0,
                      "max_pending": 0, "first_step_at_s": None, "all_added_at_s": None}
         self.info = EngineInfo(backend="vllm", version=vllm.__version__,
-                               settings={k: v for k, v in kw.items() if k != "model"} | {"max_in_flight": self.max_in_flight, "warm_prefix": cfg.warm_prefix})
+                               settings={k: v for k, v in kw.items() if k != "model"} | {"max_in_flight": self.max_in_flight, "warm_prefix": cfg.warm_prefix},
+                               kv_total_blocks=cache.num_gpu_blocks)
 
     def _sampling_params(self, max_tokens: int, leader: bool = False):
         """Shared params per budget. Only final outputs come back (as in LLM.generate): building

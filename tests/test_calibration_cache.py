@@ -1,0 +1,151 @@
+"""Calibration is paid once: stored choices, their key, and the cost rule of a first run (fake engine, fake clock)."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import types
+
+import pytest
+import yaml
+
+from runner.engines.fake import FakeEngine
+from runner.run import calibrate_job, run_job
+from runner.spec import load_job
+from tests.conftest import SCHEMA
+
+
+class Timed(FakeEngine):
+    """A fake engine on a fake clock: starting costs `start_s`, each row `row_s` (less with drafts)."""
+
+    def __init__(self, clock, k, start_s, row_s, kv_blocks):
+        super().__init__(SCHEMA)
+        clock.now += start_s
+        self.clock, self.k, self.row_s = clock, k, row_s
+        self.info.kv_total_blocks = kv_blocks
+
+    def generate(self, requests):
+        for c in super().generate(requests):
+            self.clock.now += self.row_s * (0.5 if self.k else 1.0)  # drafts double the speed
+            yield c
+
+    def counters(self):
+        c = super().counters()
+        if self.k:
+            c.spec_drafts = 10 * len(self.seen)
+            c.spec_accepted_per_pos = [int(p * 10 * len(self.seen)) for p in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4)[:self.k]]
+        return c
+
+
+def harness(start_s=0.0, row_s=0.05, kv_blocks=100):
+    clock = types.SimpleNamespace(now=0.0)
+    started = []
+
+    def factory(j):
+        k = j.engine.speculative.num_speculative_tokens if j.engine.speculative else 0
+        started.append(k)
+        return Timed(clock, k, start_s, row_s, kv_blocks)
+
+    return clock, started, factory
+
+
+def auto_job(make_job, rows=40, **engine):
+    return load_job(make_job(rows=rows, engine={"speculative": "auto",
+                                                "calibration": {"rows": 8, "max_draft_tokens": 4}} | engine))
+
+
+def calibration(db) -> dict:
+    return json.loads(sqlite3.connect(db).execute(
+        "SELECT engine_choice_json FROM run_stats ORDER BY run_id DESC LIMIT 1").fetchone()[0])["speculative_calibration"]
+
+
+def test_a_measured_choice_is_stored_and_the_next_run_starts_one_engine(make_job):
+    job = auto_job(make_job)
+    clock, started, factory = harness()
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    first = calibration(job.database_path)
+    assert started == [0, 4] and first["chosen_draft_tokens"] == 4  # drafts double the speed: kept
+    assert "calibration_id" in first and "phases" in first
+
+    started.clear()
+    s = run_job(job, engine_factory=factory, restart=True, clock=lambda: clock.now)
+    again = calibration(job.database_path)
+    assert started == [4]  # the stored choice, started directly
+    assert again["reused_calibration_id"] == first["calibration_id"] and "phases" not in again
+    assert s.stats["rows_total"] == 40
+
+
+@pytest.mark.parametrize("change", ["max_tokens", "schema", "engine", "prompts"])
+def test_a_changed_key_measures_again(make_job, tmp_path, change):
+    job = auto_job(make_job)
+    clock, started, factory = harness()
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    path = job.path
+    spec = yaml.safe_load(path.read_text())
+    if change == "max_tokens":
+        spec["sampling"]["max_tokens"] = 32
+    elif change == "schema":
+        (tmp_path / "schemas" / "out.json").write_text(json.dumps(SCHEMA | {"title": "changed"}))
+    elif change == "engine":
+        cfg = tmp_path / "configs" / "engine.yaml"
+        cfg.write_text(yaml.safe_dump(yaml.safe_load(cfg.read_text()) | {"max_num_seqs": 4}))
+    else:
+        spec["prompts"] = {"user_template": "Review: {text}"}
+    path.write_text(yaml.safe_dump(spec))
+    started.clear()
+    run_job(load_job(path), engine_factory=factory, restart=True, clock=lambda: clock.now)
+    assert started[:2] == [0, 4] and "reused_calibration_id" not in calibration(job.database_path)
+    assert sqlite3.connect(job.database_path).execute("SELECT count(DISTINCT key_sha256) FROM calibrations").fetchone()[0] == 2
+
+
+def test_a_different_kv_cache_measures_again(make_job):
+    job = auto_job(make_job)
+    clock, started, factory = harness(kv_blocks=100)
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    clock, started, factory = harness(kv_blocks=60)  # same settings, a smaller card
+    run_job(job, engine_factory=factory, restart=True, clock=lambda: clock.now)
+    cal = calibration(job.database_path)
+    # The stored choice (4 drafts) started first, then the plain engine to measure from.
+    assert started[:3] == [4, 0, 4] and "100 to 60 blocks" in cal["remeasured_because"]
+
+
+def test_a_first_run_skips_calibration_that_cannot_pay(make_job):
+    """Engines cost 30 s to start; 40 rows at 0.05 s leave ~1.6 s of generation to win on."""
+    job = auto_job(make_job)
+    clock, started, factory = harness(start_s=30.0)
+    s = run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    cal = calibration(job.database_path)
+    assert started == [0] and cal["chosen_draft_tokens"] == 0
+    assert cal["cost_rule"]["measure"] is False and cal["cost_rule"]["cost_s"] == pytest.approx(60.0)
+    assert cal["cost_rule"]["rows_left"] == 32 and "engine starts" in cal["skipped"]
+    assert s.stats["rows_total"] == 40
+    # Nothing was measured, so nothing is stored: the next run decides by cost again.
+    assert sqlite3.connect(job.database_path).execute("SELECT count(*) FROM calibrations").fetchone()[0] == 0
+
+
+def test_a_large_job_pays_for_calibration(make_job):
+    """The same engine start against 400 rows of 0.5 s: drafts could save far more than 60 s."""
+    job = auto_job(make_job, rows=400)
+    clock, started, factory = harness(start_s=30.0, row_s=0.5)
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    cal = calibration(job.database_path)
+    assert started == [0, 4] and cal["cost_rule"]["measure"] is True and cal["chosen_draft_tokens"] == 4
+
+
+def test_recalibrate_measures_whatever_it_costs(make_job):
+    job = auto_job(make_job)
+    clock, started, factory = harness(start_s=30.0)
+    run_job(job, engine_factory=factory, recalibrate=True, clock=lambda: clock.now)
+    assert started == [0, 4] and "calibration_id" in calibration(job.database_path)
+
+
+def test_calibrate_job_stores_a_choice_and_no_results(make_job):
+    job = auto_job(make_job)
+    clock, started, factory = harness(start_s=30.0)
+    record = calibrate_job(job, engine_factory=factory, clock=lambda: clock.now)
+    assert started == [0, 4] and record["chosen_draft_tokens"] == 4 and record["calibration_id"] == 1
+    con = sqlite3.connect(job.database_path)
+    assert con.execute("SELECT count(*) FROM results").fetchone()[0] == 0
+    assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 0
+    started.clear()
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    assert started == [4] and calibration(job.database_path)["reused_calibration_id"] == 1
