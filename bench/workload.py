@@ -1,6 +1,9 @@
-"""A synthetic extraction workload: many distinct long system prompts, short documents, a JSON schema.
+"""Synthetic extraction workloads of two shapes, deterministic for a seed.
 
-Documents arrive interleaved across prompts, as a mixed nightly feed does. Deterministic for a seed.
+`invoices`: few long system prompts (a client's accounting policy, ~900 tokens), short invoices,
+short outputs. `incidents`: many short system prompts (~200 tokens, one per team), longer
+reports, longer outputs with a list. Documents arrive interleaved across prompts, as a mixed
+nightly feed does.
 """
 from __future__ import annotations
 
@@ -55,16 +58,63 @@ def document(rng: random.Random) -> str:
             f"\nTOTAL {amount:.2f} {cur}\nNotes: {' '.join(rng.choice(WORDS) for _ in range(rng.randint(10, 40)))}")
 
 
-def write_workload(out: Path, docs: int, prompts: int, prompt_words: int, seed: int = 1) -> Path:
+INCIDENT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "service": {"type": "string", "maxLength": 40},
+        "severity": {"type": "string", "enum": ["sev1", "sev2", "sev3", "sev4"]},
+        "started_at": {"type": "string", "maxLength": 25},
+        "customer_impact": {"type": "boolean"},
+        "root_cause": {"type": "string", "maxLength": 200},
+        "actions": {"type": "array", "items": {"type": "string", "maxLength": 80}, "maxItems": 5},
+        "summary": {"type": "string", "maxLength": 300},
+    },
+    "required": ["service", "severity", "started_at", "customer_impact", "root_cause", "actions", "summary"],
+    "additionalProperties": False,
+}
+SERVICES = ["checkout", "search", "auth", "billing", "ingest", "mailer", "cdn", "payments", "ledger", "reports"]
+SYMPTOMS = ("latency timeout error-rate saturation deadlock failover rollback retry-storm cache-miss "
+            "certificate dns quota throttling replication-lag disk-full oom-kill").split()
+
+
+def incident_prompt(i: int, words: int, rng: random.Random) -> str:
+    """One team's short triage guide."""
+    head = (f"You triage incident reports for on-call team {i:03d}. Extract service, severity, start time, "
+            f"customer impact, root cause, follow-up actions and a summary as one JSON object.\n")
+    rules = []
+    while sum(len(r.split()) for r in rules) < words:
+        w = rng.sample(SYMPTOMS, 3)
+        rules.append(f"Team {i:03d} rates {w[0]} with {w[1]} as {rng.choice(['sev1', 'sev2', 'sev3'])} unless {w[2]} is resolved.")
+    return head + " ".join(rules)
+
+
+def incident(rng: random.Random) -> str:
+    svc = rng.choice(SERVICES)
+    lines = [f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d} {rng.choice(SYMPTOMS)} on {svc}: "
+             + " ".join(rng.choice(SYMPTOMS + WORDS) for _ in range(rng.randint(6, 14))) for _ in range(rng.randint(6, 12))]
+    return (f"INCIDENT {rng.randint(1000, 9999)} service={svc} opened 2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}\n"
+            + "\n".join(lines) + f"\nStatus: {rng.choice(['mitigated', 'resolved', 'monitoring'])}")
+
+
+# name -> (system prompt maker, document maker, schema, prompts, words per prompt, max_tokens)
+WORKLOADS = {
+    "invoices": (system_prompt, document, SCHEMA, 64, 650, 128),
+    "incidents": (incident_prompt, incident, INCIDENT_SCHEMA, 256, 140, 320),
+}
+
+
+def write_workload(out: Path, docs: int, prompts: int, prompt_words: int, seed: int = 1,
+                   kind: str = "invoices") -> Path:
     """Write documents.parquet and schema.json under out; return the Parquet path."""
+    make_prompt, make_doc, schema = WORKLOADS[kind][:3]
     rng = random.Random(seed)
-    systems = [system_prompt(i, prompt_words, rng) for i in range(prompts)]
+    systems = [make_prompt(i, prompt_words, rng) for i in range(prompts)]
     rows = {"doc_id": [], "text": [], "system_prompt": []}
     for n in range(docs):
         rows["doc_id"].append(f"d{n:06d}")
-        rows["text"].append(document(rng))
+        rows["text"].append(make_doc(rng))
         rows["system_prompt"].append(systems[rng.randrange(prompts)])  # arrival order: interleaved
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(rows), out / "documents.parquet")
-    (out / "schema.json").write_text(json.dumps(SCHEMA, indent=1))
+    (out / "schema.json").write_text(json.dumps(schema, indent=1))
     return out / "documents.parquet"

@@ -1,0 +1,304 @@
+"""The benchmark's runs: what each one executes, where, and how its result is read back.
+
+A Task is one process: the plain-vLLM script or `runner run`. The scheduler runs tasks in order on
+free GPUs, one per GPU (several for multi-GPU configurations). The first run of each engine setup
+runs alone, so that two processes never fill vLLM's compile cache at once.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+STARTUP_LOG = re.compile(r"took|seconds|secs|torch\.compile|Graph captur|Loading weights|Memory profiling|KV cache|maximum concurrency", re.I)
+
+
+@dataclass
+class Task:
+    case: str  # WORKLOAD/REGIME/MODEL
+    config: str
+    round: int
+    gpus: int = 1
+    result: Optional[dict] = None
+    gpu_ids: str = ""
+    started_s: Optional[float] = None
+
+    @property
+    def workload(self) -> str:
+        return self.case.split("/")[0]
+
+    @property
+    def regime(self) -> str:
+        return self.case.split("/")[1]
+
+    @property
+    def model(self) -> str:
+        return self.case.split("/")[2]
+
+    @property
+    def compile_key(self) -> tuple:
+        """Runs that share vLLM's compiled graphs: the plain baselines, or the runner's settings."""
+        return (self.model, "plain" if self.config in ("plain", "sorted") else "runner", self.gpus)
+
+    def record(self) -> dict:
+        return {"case": self.case, "config": self.config, "round": self.round, "gpus": self.gpu_ids,
+                "started_s": self.started_s, **(self.result or {})}
+
+
+def parse_cases(text: str) -> list[tuple[str, list[str], Optional[int]]]:
+    """`CASE=CONFIGS[@REPEATS];...`: REPEATS caps that case's rounds."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        case, rest = part.split("=")
+        configs, _, cap = rest.partition("@")
+        out.append((case, configs.split(","), int(cap) if cap else None))
+    return out
+
+
+def make_tasks(a) -> list[Task]:
+    """Round by round: every single-GPU case, then the multi-GPU ones, so that a deadline cuts the
+    last rounds rather than a whole comparison."""
+    tasks = []
+    for r in range(1, max(a.repeats, a.multi_repeats) + 1):
+        for case, configs, cap in parse_cases(a.cases):
+            if r <= min(cap or a.repeats, a.repeats):
+                tasks += [Task(case, c, r) for c in configs]
+        for case, configs, cap in parse_cases(a.multi):
+            if r <= min(cap or a.multi_repeats, a.multi_repeats):
+                tasks += [Task(case, c, r, gpus=2 if c == "ray2" else 1) for c in configs]
+    return tasks
+
+
+# -- what a task runs -------------------------------------------------------------------------
+def workload_dir(a, t: Task) -> Path:
+    """Documents and schema of the task's workload, written once."""
+    from bench.workload import WORKLOADS, write_workload
+
+    docs = a.multi_docs if t.config.startswith("ray") else a.docs
+    d = Path(a.workdir) / f"{t.workload}-{docs}"
+    if not (d / "documents.parquet").is_file():
+        _, _, _, prompts, words, _ = WORKLOADS[t.workload]
+        write_workload(d, docs, prompts, words, kind=t.workload)
+    return d
+
+
+def model_dir(a, t: Task) -> Path:
+    if t.model == "135m":
+        return Path(a.model)
+    from bench.models import write_dummy_model
+
+    d = Path(a.workdir) / f"model-{t.model}"
+    if not (d / "config.json").is_file():
+        write_dummy_model(Path(a.model), d, t.model)
+    return d
+
+
+def max_tokens(t: Task) -> int:
+    from bench.workload import WORKLOADS
+
+    return 256 if t.model == "8b" else WORKLOADS[t.workload][5]
+
+
+def tight_blocks(a, t: Task) -> Optional[int]:
+    if t.regime != "tight":
+        return None
+    return a.tight_blocks_8b if t.model == "8b" else a.tight_blocks
+
+
+def task_dir(a, t: Task) -> Path:
+    d = Path(a.workdir) / "runs" / f"{t.case.replace('/', '-')}-{t.config}-r{t.round}"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    return d
+
+
+def plain_command(a, t: Task, d: Path) -> list[str]:
+    w = workload_dir(a, t)
+    cmd = [sys.executable, str(ROOT / "bench" / "plain_vllm.py"), "--model", str(model_dir(a, t)),
+           "--input", str(w / "documents.parquet"), "--schema", str(w / "schema.json"),
+           "--max-tokens", str(max_tokens(t)), "--out", str(d / "out.jsonl")]
+    if t.config == "sorted":
+        cmd.append("--sorted")
+    if tight_blocks(a, t):
+        cmd += ["--num-gpu-blocks", str(tight_blocks(a, t))]
+    if t.model != "135m":
+        cmd += ["--load-format", "dummy"]
+    if a.platform == "cpu":
+        cmd.append("--cpu")
+    return cmd
+
+
+def runner_variant(name: str) -> tuple[dict, dict]:
+    """(engine overrides, job overrides) of a runner configuration."""
+    variants = {
+        "runner": ({}, {}), "runner_first": ({}, {}),
+        "spec_off": ({"speculative": None}, {}),
+        "no_warm": ({"speculative": None, "warm_prefix": False}, {}),
+        "peaks_only": ({"speculative": None, "kv_projection": False}, {}),
+        "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),
+        "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
+        "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),
+    }
+    if name.startswith("spec_k"):
+        return {"speculative": NGRAM | {"num_speculative_tokens": int(name[6:])}}, {}
+    return variants[name]
+
+
+def runner_command(a, t: Task, d: Path, seeds: dict) -> list[str]:
+    w = workload_dir(a, t)
+    engine, job_over = runner_variant(t.config)
+    config = ROOT / "configs" / ("smollm2-cpu.yaml" if a.platform == "cpu" else "smollm2-h200.yaml")
+    engine = {"config": str(config), "model": str(model_dir(a, t))} | engine
+    if tight_blocks(a, t):
+        engine["num_gpu_blocks_override"] = tight_blocks(a, t)
+    if t.model != "135m":
+        engine["load_format"] = "dummy"
+    if a.platform == "cpu" and t.config.startswith("ray"):  # CPU-only replicas; Ray's readers need CPUs
+        job_over["ray"] |= {"gpus_per_replica": 0, "local_num_cpus": 4}
+    job = {"name": "bench", "input": {"path": str(w / "documents.parquet"), "id_column": "doc_id",
+                                      "text_column": "text", "system_prompt_column": "system_prompt"},
+           "output_schema": str(w / "schema.json"), "engine": engine,
+           "sampling": {"temperature": 0, "max_tokens": max_tokens(t), "seed": 0},
+           "output": {"database": "results.sqlite", "commit_every_rows": 256}} | job_over
+    (d / "job.yaml").write_text(yaml.safe_dump(job))
+    if t.config == "runner" and t.case in seeds:  # the calibration a first run of this case stored
+        shutil.copy(seeds[t.case], d / "results.sqlite")
+    return [sys.executable, "-m", "runner.cli", "run", "--quiet", str(d / "job.yaml")]
+
+
+def runner_result(d: Path) -> dict:
+    con = sqlite3.connect(d / "results.sqlite")
+    con.row_factory = sqlite3.Row
+    s = dict(con.execute("SELECT * FROM run_stats ORDER BY run_id DESC LIMIT 1").fetchone())
+    choice = json.loads(s.pop("engine_choice_json") or "{}")
+    valid = con.execute("SELECT count(*) FROM results WHERE status = 'ok'").fetchone()[0]
+    con.close()
+    return {k: s[k] for k in ("documents_per_s", "generation_s", "engine_load_s", "wall_s", "prefix_cache_hit_rate",
+                              "plan_prefix_share", "preemptions", "spec_acceptance_rate", "completion_tokens")} | {
+        "rows": s["rows_total"], "rows_valid": valid, "calibration": choice.get("speculative_calibration"),
+        "engine_starts_s": choice.get("engine_starts_s"),
+        "engines": [{k: v for k, v in e.items() if k != "settings"} for e in choice.get("engines", [])]}
+
+
+def make_seed(d: Path, seed: Path) -> None:
+    """A database holding only what a first run stored for later runs: its calibrations."""
+    shutil.copy(d / "results.sqlite", seed)
+    con = sqlite3.connect(seed)
+    for table in ("results", "run_samples", "run_stats", "runs"):
+        con.execute(f"DELETE FROM {table}")
+    con.commit()
+    con.close()
+
+
+def execute(a, t: Task, seeds: dict, env: dict) -> dict:
+    d = task_dir(a, t)
+    plain = t.config in ("plain", "sorted")
+    cmd = plain_command(a, t, d) if plain else runner_command(a, t, d, seeds)
+    t0 = time.perf_counter()
+    with open(d / "stderr.log", "w") as err:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(ROOT), env=env,
+                              timeout=a.task_timeout)
+    process_s = time.perf_counter() - t0
+    (d / "stdout.log").write_text(proc.stdout)
+    log = proc.stdout + (d / "stderr.log").read_text(errors="replace")  # vLLM logs to stdout
+    startup = [ln.strip()[-160:] for ln in log.splitlines() if STARTUP_LOG.search(ln)][:20]
+    if proc.returncode != 0:
+        return {"error": log[-2000:], "rc": proc.returncode, "process_s": round(process_s, 2)}
+    if plain:
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+        r = json.loads(line[7:])
+    else:
+        r = runner_result(d)
+        if t.config == "runner_first" and t.case not in seeds:
+            seeds[t.case] = Path(a.workdir) / f"seed-{t.case.replace('/', '-')}.sqlite"
+            make_seed(d, seeds[t.case])
+    return r | {"process_s": round(process_s, 2), "wall_documents_per_s": r["rows"] / process_s, "startup_log": startup}
+
+
+# -- scheduling -------------------------------------------------------------------------------
+def gpu_ids(a) -> list[str]:
+    if a.gpus != "auto":  # on the CPU: slots, to try multi-GPU configurations' code paths
+        return a.gpus.split(",")
+    if a.platform == "cpu":
+        return [""]
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True)
+    return [x.strip() for x in out.stdout.splitlines() if x.strip()] or ["0"]
+
+
+def run_schedule(a, tasks: list[Task], deadline: Optional[float], on_done: Callable[[], None]) -> None:
+    """Run tasks in order on free GPUs until done or past the deadline."""
+    import os
+
+    free, lock = gpu_ids(a), threading.Lock()
+    seeds: dict = {}
+    warm: set = set()  # compile keys whose first run finished
+    compiling: set = set()
+    pending = [t for t in tasks if t.gpus <= len(free)]
+    for t in tasks:
+        if t.gpus > len(free):
+            t.result = {"error": f"needs {t.gpus} GPUs; this machine has {len(free)}"}
+    running: list[threading.Thread] = []
+    t_start = time.monotonic()
+
+    active: list[Task] = []
+
+    def ready(t: Task) -> bool:
+        if t.config == "runner" and t.case not in seeds:  # wait for a first run to store its calibration
+            if any(o.case == t.case and o.config == "runner_first" for o in pending + active):
+                return False
+        if t.gpus > 1 and any(o.gpus == 1 and o.round <= t.round for o in pending):
+            return False  # a multi-GPU run waits for its round's single-GPU runs
+        return t.compile_key in warm or t.compile_key not in compiling
+
+    def work(t: Task, ids: list[str]) -> None:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(ids), VLLM_LOGGING_LEVEL="INFO",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        try:
+            t.result = execute(a, t, seeds, env)
+        except Exception as exc:  # a timeout or a broken run: recorded, the plan goes on
+            t.result = {"error": f"{exc.__class__.__name__}: {exc}"}
+        with lock:
+            active.remove(t)
+            free.extend(ids)
+            compiling.discard(t.compile_key)
+            if "error" not in t.result:
+                warm.add(t.compile_key)
+            on_done()
+        print(f"{t.case} {t.config} r{t.round} gpu {t.gpu_ids}: " +
+              (f"{t.result['process_s']:.1f} s, {t.result['documents_per_s']:.1f} doc/s" if "error" not in t.result
+               else "ERROR " + t.result["error"].strip().splitlines()[-1][:200] if t.result["error"].strip() else "ERROR"),
+              file=sys.stderr, flush=True)
+
+    while True:
+        with lock:
+            running = [th for th in running if th.is_alive()]
+            if not pending and not running:
+                return
+            if deadline and time.monotonic() > deadline:
+                if not running:
+                    return
+            else:
+                for t in list(pending):
+                    if t.gpus <= len(free) and ready(t):
+                        ids = [free.pop(0) for _ in range(t.gpus)]
+                        pending.remove(t)
+                        active.append(t)
+                        if t.compile_key not in warm:
+                            compiling.add(t.compile_key)
+                        t.gpu_ids, t.started_s = ",".join(ids), round(time.monotonic() - t_start, 1)
+                        th = threading.Thread(target=work, args=(t, ids), daemon=True)
+                        th.start()
+                        running.append(th)
+        time.sleep(0.5)
