@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -134,6 +135,8 @@ def run(job, restart, wait, quiet, executor, recalibrate, engine):
     from runner.run import run_job
     from runner.spec import load_job
 
+    from runner.engines import preload
+
     spec = load_job(job).with_executor(executor)
     progress = None
     if not quiet:
@@ -144,9 +147,31 @@ def run(job, restart, wait, quiet, executor, recalibrate, engine):
                                      mininterval=0.5 if tty else 30.0, smoothing=0.1)
     summary = run_job(spec, engine_factory=lambda j: build_engine(j, engine), restart=restart, wait=wait,
                       progress_factory=(lambda total: progress(total=total)) if progress else None,
-                      recalibrate=recalibrate)
-    if quiet:
-        return
+                      recalibrate=recalibrate,
+                      # Ray imports vLLM in its replicas, not here
+                      on_input_ok=(lambda: preload(spec, engine)) if spec.spec.executor == "local" else None)
+    if not quiet:
+        _print_run_summary(summary)
+    _finished_run["executor"] = spec.spec.executor
+
+
+_finished_run: dict = {}  # set when `runner run` completed: main() may then exit at once
+
+
+def _exit_now(executor: str) -> None:
+    """Leave without the interpreter tearing torch, CUDA and vLLM down module by module (seconds
+    on a GPU machine, on the user's wall clock). Safe after a completed run: the results database
+    is closed, the engine shut down, and the kernel releases the job's lock."""
+    if executor == "ray":  # a local Ray cluster is stopped by ray.shutdown, not by the kernel
+        import ray
+
+        ray.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _print_run_summary(summary) -> None:
     s = summary.stats
     click.echo(f"Results: {summary.database} (run {summary.run_id})")
     click.echo(_table([
@@ -360,7 +385,12 @@ def prepare_model(force):
 
 
 def main():  # console-script entry point; the guard matters for vLLM's spawned workers
-    cli()
+    try:
+        cli()
+    except SystemExit as exc:
+        if exc.code in (0, None) and _finished_run:
+            _exit_now(_finished_run["executor"])
+        raise
 
 
 if __name__ == "__main__":

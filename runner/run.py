@@ -10,7 +10,7 @@ import signal
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterable, Iterator, Optional, Protocol
 
 from runner.calibrate import CalibrationContext, calibrate
 from runner.engines import Completion, Engine, Request, build_engine
@@ -29,6 +29,7 @@ from runner.store import Store
 
 SAMPLE_EVERY_S = 2.0  # throughput samples for reports
 TOKENIZE_CHUNK_ROWS = 64  # rows tokenized together: parallel in the tokenizer, small enough to start fast
+BUILT_AHEAD_CHUNKS = 32  # chunks of built requests waiting for the engine (2048 rows)
 
 
 class Progress(Protocol):
@@ -68,6 +69,12 @@ class RequestBuilder:
     def plan(self) -> PlanSummary:
         return PlanSummary(list(self.groups.values()), tokens_exact=True, block_tokens=self.job.block_tokens)
 
+    def stream(self, groups: Iterable[Group]) -> Iterator[tuple[str, list[Request | Completion]]]:
+        """(group key, built chunk) for every chunk of every planned group."""
+        for group in groups:
+            for start in range(0, len(group.docs), TOKENIZE_CHUNK_ROWS):
+                yield group.key, self.build_many(group, group.docs[start:start + TOKENIZE_CHUNK_ROWS])
+
     def build_many(self, group: Group, docs: list[Document]) -> list[Request | Completion]:
         """build() for a chunk of one group's rows, tokenized together (in parallel)."""
         b = self.builder
@@ -96,14 +103,19 @@ class RequestBuilder:
 
 def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine, restart: bool = False,
             wait: bool = False, progress_factory: Optional[Callable[[int], Progress]] = None,
-            recalibrate: bool = False, clock: Callable[[], float] = time.perf_counter) -> RunSummary:
+            recalibrate: bool = False, clock: Callable[[], float] = time.perf_counter,
+            on_input_ok: Optional[Callable[[], None]] = None) -> RunSummary:
     """Run a job to completion (or resume it). Raises RunnerError subclasses; never prints.
-    `recalibrate`: measure `speculative: auto` again instead of reusing a stored choice."""
+    `recalibrate`: measure `speculative: auto` again instead of reusing a stored choice.
+    `on_input_ok`: called once the input, model folder, lock and database are fine (the CLI starts
+    importing vLLM there)."""
     # Bad input or a missing model stops the run here, before anything is written.
     scan = scan_input(job.input_path, job.spec.input)
     builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
     with JobLock(job.database_path, job.name, wait=wait):
         store = Store(job.database_path)
+        if on_input_ok is not None:
+            on_input_ok()
         if restart:
             store.delete_results(job.name)
         store.mark_abandoned_runs(job.name)
@@ -123,6 +135,7 @@ def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine,
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            store.close()  # the last connection checkpoints the WAL into the database file
         summary.rows_input, summary.rows_skipped = scan.rows, skipped
         return summary
 
@@ -133,9 +146,7 @@ def _execute(job, store, run_id, engines: RunEngines, builder, done, todo, skipp
     t_start = clock()
     progress = progress_factory(todo) if progress_factory else None
     loop = _Loop(job, store, run_id, RequestBuilder(job, builder), progress, clock=clock)
-    # The input is read ahead from here on, while the engine starts.
-    documents = prefetch(_documents(job), job.spec.plan_window_rows) if todo else iter(())
-    source: Iterator[Request] = loop.requests(plan_stream(documents, job.spec.plan_window_rows, done))
+    source = loop.requests(_build_ahead(job, loop.rb, done) if todo else iter(()))
     choice = None
     try:
         try:
@@ -173,8 +184,7 @@ def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_e
     with JobLock(job.database_path, job.name, wait=wait):
         store = Store(job.database_path)
         loop = _Loop(job, store, None, RequestBuilder(job, builder), None, keep_results=False, clock=clock)
-        documents = prefetch(_documents(job), job.spec.plan_window_rows)
-        source = loop.requests(plan_stream(documents, job.spec.plan_window_rows))
+        source = loop.requests(_build_ahead(job, loop.rb, set()))
         engines = RunEngines(job, engine_factory, store, None, clock)
         ctx = CalibrationContext(store, calibration_key(job, scan.system_prompt_keys), scan.rows, None, force=True)
         try:
@@ -182,6 +192,14 @@ def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_e
         finally:
             engines.stop()
         return record
+
+
+def _build_ahead(job: Job, rb: RequestBuilder, done: set[str]):
+    """Read, plan and tokenize in a thread from now on, while the engine starts and then while it
+    generates: the driver's own work stays off the engine's critical path (the tokenizer releases
+    the GIL). At most BUILT_AHEAD_CHUNKS chunks wait, which bounds the token ids held."""
+    groups = plan_stream(_documents(job), job.spec.plan_window_rows, done)
+    return prefetch(rb.stream(groups), BUILT_AHEAD_CHUNKS)
 
 
 def _documents(job: Job) -> Iterator[Document]:
@@ -212,15 +230,16 @@ class _Loop:
         self.samples: list[dict] = []
         self.t0 = self.last_sample = clock()
 
-    def requests(self, groups) -> Iterator[Request]:
-        for group in groups:
-            for start in range(0, len(group.docs), TOKENIZE_CHUNK_ROWS):
-                for r in self.rb.build_many(group, group.docs[start:start + TOKENIZE_CHUNK_ROWS]):
-                    if isinstance(r, Completion):
-                        self.immediate.append((r, group.key))
-                        continue
-                    self.inflight[r.row_id] = (r, 1, None)
-                    yield r
+    def requests(self, chunks) -> Iterator[Request]:
+        """Built chunks (RequestBuilder.stream) -> requests for the engine; rows that cannot run
+        (too long) are stored as failed on the way."""
+        for key, built in chunks:
+            for r in built:
+                if isinstance(r, Completion):
+                    self.immediate.append((r, key))
+                    continue
+                self.inflight[r.row_id] = (r, 1, None)
+                yield r
             self.drain_immediate()
 
     def pop_retries(self) -> Iterator[Request]:

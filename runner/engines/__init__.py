@@ -3,7 +3,30 @@ from __future__ import annotations
 
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
 
-__all__ = ["Completion", "Engine", "EngineCounters", "EngineInfo", "Request", "build_engine"]
+__all__ = ["Completion", "Engine", "EngineCounters", "EngineInfo", "Request", "build_engine", "preload"]
+
+
+def preload(job, kind: str = "vllm") -> None:
+    """Start importing the engine's library in a thread now (vLLM's import takes seconds), so that
+    it overlaps with checking the input and opening the database instead of delaying the engine."""
+    if kind != "vllm":
+        return
+    import os
+    import threading
+
+    from runner.engines.vllm_settings import offline_environment
+
+    os.environ.update(offline_environment(job.engine.in_process))  # read when vLLM is imported
+
+    def load() -> None:
+        import importlib
+
+        try:
+            importlib.import_module("vllm.entrypoints.llm")  # what `from vllm import LLM` loads
+        except Exception:  # the engine's own import reports it, as an EngineError
+            pass
+
+    threading.Thread(target=load, name="runner-preload", daemon=True).start()
 
 
 def build_engine(job, kind: str = "vllm") -> Engine:
