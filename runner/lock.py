@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from runner.errors import LockedError
+from runner.errors import LockedError, StoreError
 
 
 class JobLock:
@@ -21,8 +21,12 @@ class JobLock:
         self._fd: int | None = None
 
     def __enter__(self) -> "JobLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # a read-only mount, a path under a regular file, /proc...
+            raise StoreError(f"{self.path}: cannot create the job's lock file beside the results database: "
+                             f"{exc.strerror or exc}") from None
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -9,6 +9,8 @@ from datetime import datetime, timezone
 
 from sqlalchemy import Connection, text
 
+from runner.errors import StoreError
+
 
 def m001_initial(conn: Connection) -> None:
     conn.exec_driver_sql("""
@@ -135,6 +137,10 @@ def migrate(conn: Connection) -> list[str]:
     """Apply the migrations this database lacks, in order. Returns the names applied."""
     conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at_utc TEXT NOT NULL)")
     done = {r[0] for r in conn.exec_driver_sql("SELECT name FROM _migrations")}
+    if not done and conn.exec_driver_sql("SELECT 1 FROM sqlite_master WHERE name = 'runs'").first():
+        # Made by a runner before 0.2, whose migrations committed one by one, and killed midway.
+        raise StoreError("tables exist but no migration was recorded: the file was left half-made by an "
+                         "interrupted first run of an older runner; move it away and run again")
     applied = []
     for fn in MIGRATIONS:
         if fn.__name__ in done:

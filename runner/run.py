@@ -114,6 +114,7 @@ def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine,
     builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
     with JobLock(job.database_path, job.name, wait=wait):
         store = Store(job.database_path)
+        store.check_integrity()
         if on_input_ok is not None:
             on_input_ok()
         if restart:

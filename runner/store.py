@@ -32,12 +32,20 @@ class Store:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.engine = create_engine(f"sqlite:///{self.path}")
             event.listen(self.engine, "connect", _pragmas)
-            with self.engine.begin() as conn:
-                migrate(conn)
+            event.listen(self.engine, "begin", _begin)
+            # One IMMEDIATE transaction takes the write lock first: every migration lands or none
+            # does (a kill or a full disk leaves no half-made schema), and two processes creating
+            # the same file take turns.
+            with self.engine.connect() as conn:
+                conn.execution_options(sqlite_begin="BEGIN IMMEDIATE")
+                with conn.begin():
+                    migrate(conn)
             meta = MetaData()
             meta.reflect(bind=self.engine)
         except (SQLAlchemyError, OSError) as exc:
             raise StoreError(f"{self.path}: cannot open the results database: {_short(exc)}") from None
+        except StoreError as exc:
+            raise StoreError(f"{self.path}: {exc}") from None
         self.runs = meta.tables["runs"]
         self.results = meta.tables["results"]
         self.run_stats = meta.tables["run_stats"]
@@ -46,6 +54,14 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def check_integrity(self) -> None:
+        """PRAGMA quick_check: refuse a damaged file (a broken unique index would store rows twice)."""
+        with self.engine.connect() as conn:
+            problems = [r[0] for r in conn.exec_driver_sql("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            raise StoreError(f"{self.path}: the results database is damaged ({problems[0]}; {len(problems)} "
+                             f"problem(s) found by PRAGMA quick_check): restore it from a backup or move it away")
 
     # -- runs -------------------------------------------------------------------------------
     def begin_run(self, job_name: str, job_path: str, config: dict) -> int:
@@ -182,12 +198,19 @@ class _Tx:
 
 
 def _pragmas(dbapi_conn, _record) -> None:
+    # pysqlite commits on its own before DDL; with its transaction handling off, _begin emits BEGIN
+    # and SQLAlchemy's commit is the only one (SQLAlchemy's documented recipe for SQLite).
+    dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
+
+
+def _begin(conn) -> None:
+    conn.exec_driver_sql(conn.get_execution_options().get("sqlite_begin", "BEGIN"))
 
 
 def _short(exc: Exception) -> str:

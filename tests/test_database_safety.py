@@ -1,0 +1,122 @@
+"""The results database under failure: atomic creation, concurrent creators, damage, unwritable places."""
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import runner.migrations as migrations
+from runner.errors import StoreError
+from runner.migrations import MIGRATIONS
+from runner.store import Store
+from tests.test_crash_safety import runner_cmd
+
+
+def test_a_migration_that_fails_midway_leaves_no_half_made_schema(tmp_path, monkeypatch):
+    def broken(conn):
+        conn.exec_driver_sql("CREATE TABLE half (x INTEGER)")
+        raise OSError("No space left on device")  # what a full disk looks like halfway
+
+    db = tmp_path / "r.sqlite"
+    monkeypatch.setattr(migrations, "MIGRATIONS", [MIGRATIONS[0], broken])
+    with pytest.raises(StoreError, match="No space left"):
+        Store(db)
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall() == []  # all rolled back
+    con.close()
+    monkeypatch.setattr(migrations, "MIGRATIONS", MIGRATIONS)
+    Store(db).close()  # the next run creates it whole
+    names = [r[0] for r in sqlite3.connect(db).execute("SELECT name FROM _migrations")]
+    assert names == [m.__name__ for m in MIGRATIONS]
+
+
+def _open(path: str) -> None:
+    Store(path).close()
+
+
+def test_processes_creating_one_database_at_once_all_succeed(tmp_path):
+    db = str(tmp_path / "shared.sqlite")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_open, args=(db,)) for _ in range(6)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0] * 6
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT count(*) FROM _migrations").fetchone()[0] == len(MIGRATIONS)
+
+
+def test_a_file_left_half_made_by_an_older_runner_is_named_not_a_traceback(tmp_path):
+    db = tmp_path / "old.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY)")  # the old bug: tables, no migration rows
+    con.commit()
+    con.close()
+    with pytest.raises(StoreError, match=r"old\.sqlite: tables exist but no migration was recorded"):
+        Store(db)
+
+
+@pytest.fixture
+def fake_env():
+    import os
+
+    return dict(os.environ, RUNNER_FAKE_DELAY_S="0.01")
+
+
+def test_kill_9_while_the_database_is_being_created_then_rerun(make_job, tmp_path, fake_env):
+    """The reported repro: SIGKILL as soon as the WAL file appears, then run again, a few times."""
+    job = make_job(rows=12)
+    db = tmp_path / "out" / "results.sqlite"
+    wal = Path(f"{db}-wal")
+    for _ in range(4):
+        for f in db.parent.glob("results.sqlite*"):
+            f.unlink()
+        proc = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env)
+        deadline = time.monotonic() + 60
+        while not wal.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        done = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        con = sqlite3.connect(db)
+        assert con.execute("SELECT count(*), count(DISTINCT row_id) FROM results").fetchone() == (12, 12)
+        con.close()
+
+
+def test_a_damaged_database_is_refused_before_the_run(make_job, tmp_path, fake_env):
+    job = make_job(rows=30)
+    assert subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env, timeout=120).returncode == 0
+    db = tmp_path / "out" / "results.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    page_size = con.execute("PRAGMA page_size").fetchone()[0]
+    root = con.execute("SELECT rootpage FROM sqlite_master WHERE type='index' AND tbl_name='results' "
+                       "AND sql IS NULL").fetchone()[0]  # the UNIQUE (job_name, row_id) index
+    con.close()
+    with open(db, "r+b") as f:  # the index's root page, zeroed: what a torn write leaves
+        f.seek((root - 1) * page_size)
+        f.write(b"\0" * page_size)
+    out = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 6
+    assert out.stderr.startswith("Error: ") and "damaged" in out.stderr and len(out.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_an_unwritable_database_location_is_one_error_line(make_job, tmp_path, fake_env, where):
+    (tmp_path / "a_file").write_text("not a folder")
+    database = str(tmp_path / "a_file" / "results.sqlite") if where == "under_a_file" else "/proc/runner-test/r.sqlite"
+    job = make_job(rows=3, job={"output": {"database": database}})
+    out = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 6, out.stderr
+    assert out.stderr.startswith("Error: ") and len(out.stderr.splitlines()) == 1
+    assert "results.sqlite" in out.stderr or "r.sqlite" in out.stderr
