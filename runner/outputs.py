@@ -31,9 +31,14 @@ class OutputChecker:
 
     def __init__(self, schema: dict):
         import jsonschema
+        from referencing import Registry
+        from referencing.exceptions import NoSuchResource
+
+        def offline(uri: str):  # jsonschema would fetch unknown references over the network
+            raise NoSuchResource(ref=uri)
 
         cls = jsonschema.validators.validator_for(schema)
-        self._validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        self._validator = cls(schema, format_checker=cls.FORMAT_CHECKER, registry=Registry(retrieve=offline))
 
     def check(self, c: Completion, max_tokens: int) -> Checked:
         if c.error is not None:

@@ -44,15 +44,16 @@ def count(db: Path) -> int:
         return 0  # not created yet
 
 
-def kill_when(proc: subprocess.Popen, db: Path, at_least: int, timeout_s: float = 120) -> None:
-    """SIGKILL proc once `at_least` rows are committed (or when it has ended)."""
+def kill_when(proc: subprocess.Popen, db: Path, at_least: int, timeout_s: float = 120,
+              sig: int = signal.SIGKILL) -> None:
+    """Send `sig` (SIGKILL) to proc once `at_least` rows are committed (or when it has ended)."""
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and count(db) < at_least:
         assert time.monotonic() < deadline, "the run made no progress"
         time.sleep(0.005)
     if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-    proc.wait()
+        proc.send_signal(sig)
+    proc.wait(timeout=timeout_s)
 
 
 @pytest.fixture

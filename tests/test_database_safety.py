@@ -120,3 +120,67 @@ def test_an_unwritable_database_location_is_one_error_line(make_job, tmp_path, f
     assert out.returncode == 6, out.stderr
     assert out.stderr.startswith("Error: ") and len(out.stderr.splitlines()) == 1
     assert "results.sqlite" in out.stderr or "r.sqlite" in out.stderr
+
+
+@pytest.fixture
+def listener():
+    """A TCP server on loopback that counts connections: nothing may connect to it."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.settimeout(0.2)
+    seen, stop = [], threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+                seen.append(conn)
+                conn.close()
+            except OSError:
+                continue
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield srv.getsockname()[1], seen
+    stop.set()
+    srv.close()
+
+
+def test_a_schema_ref_to_a_url_is_refused_at_validate_without_a_connection(make_job, tmp_path, listener):
+    import json
+
+    from click.testing import CliRunner
+
+    from runner.cli import cli
+    from tests.conftest import SCHEMA
+
+    port, seen = listener
+    remote = SCHEMA | {"properties": SCHEMA["properties"] | {"source": {"$ref": f"http://127.0.0.1:{port}/s.json"}}}
+    job = make_job(rows=3, schema=remote)
+    out = CliRunner().invoke(cli, ["validate", str(job)])
+    assert out.exit_code == 2 and out.output.startswith("Error: ") and len(out.output.splitlines()) == 1
+    assert "out.json: #/properties/source/$ref" in out.output and "never fetches" in out.output
+    out = CliRunner().invoke(cli, ["run", "--engine", "fake", str(job)])
+    assert out.exit_code == 2 and not (tmp_path / "out" / "results.sqlite").exists()
+    time.sleep(0.3)
+    assert seen == []
+    # A reference inside the file keeps working.
+    local = SCHEMA | {"$defs": {"s": {"type": "string", "maxLength": 20}},
+                      "properties": SCHEMA["properties"] | {"summary": {"$ref": "#/$defs/s"}}}
+    (tmp_path / "schemas" / "out.json").write_text(json.dumps(local))
+    assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
+
+
+def test_the_output_checker_never_fetches_a_reference(listener):
+    from runner.engines.base import Completion
+    from runner.outputs import OutputChecker
+
+    port, seen = listener
+    checker = OutputChecker({"type": "object", "properties": {"a": {"$ref": f"http://127.0.0.1:{port}/a.json"}}})
+    with pytest.raises(Exception):
+        checker.check(Completion("r", text='{"a": 1}', finish_reason="stop"), 10)
+    time.sleep(0.3)
+    assert seen == []

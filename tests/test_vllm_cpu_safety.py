@@ -32,6 +32,19 @@ def test_sigkill_mid_run_then_rerun_finishes_each_row_once(make_job, tmp_path):
     assert [s for (s,) in con.execute("SELECT status FROM runs ORDER BY id")] == ["interrupted", "completed"]
 
 
+def test_sigterm_during_generation_is_an_interruption_not_an_engine_failure(make_job, tmp_path):
+    job = make_job(rows=12, job={"output": {"database": "out/results.sqlite", "commit_every_rows": 2}})
+    db = tmp_path / "out" / "results.sqlite"
+    proc = subprocess.Popen(runner_cmd("run", "--quiet", job), stderr=subprocess.PIPE, text=True)
+    kill_when(proc, db, at_least=2, timeout_s=300, sig=signal.SIGTERM)
+    err = proc.stderr.read()
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("Error: stopped by signal SIGTERM")
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
+    assert con.execute("SELECT count(*) FROM results").fetchone()[0] >= 2
+
+
 def test_engine_that_fails_to_start_exits_5_and_records_the_failed_run(make_job, tmp_path, model_dir):
     broken = tmp_path / "broken-model"
     broken.mkdir()

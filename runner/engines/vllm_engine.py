@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from runner.engines.admission import KvBudget
 from runner.engines.base import PAUSE, Completion, EngineCounters, EngineInfo, Request
-from runner.errors import EngineError, ModelError
+from runner.errors import EngineError, ModelError, RunnerError
 from runner.models import is_model_dir
 from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.vllm_settings import llm_kwargs, offline_environment
@@ -59,6 +59,8 @@ class VllmEngine:
         started = time.perf_counter()
         try:
             self.llm = LLM(**kw)
+        except RunnerError:  # the runner's own interrupt (SIGTERM) arrived while vLLM started
+            raise
         except Exception as exc:  # vLLM raises many types while starting
             raise EngineError(f"vLLM failed to start with model {model_path}: {exc.__class__.__name__}: {exc}") from None
         self.load_s = time.perf_counter() - started
@@ -158,6 +160,8 @@ class VllmEngine:
                 try:
                     got = engine.add_request(rid, {"prompt_token_ids": req.prompt_token_ids},
                                              self._sampling_params(req.max_tokens, is_leader))
+                except RunnerError:
+                    raise
                 except Exception as exc:  # a bad request is an error row, not a crashed batch
                     budget.release(ticket, None)
                     if is_leader:  # its group goes on without a warmed prefix
@@ -192,6 +196,8 @@ class VllmEngine:
                 loop["first_step_at_s"] = round(t_step - t_start, 3)
             try:
                 outputs = engine.step()
+            except RunnerError:  # SIGTERM's Interrupted, raised inside step(): not an engine failure
+                raise
             except Exception as exc:
                 raise EngineError(f"vLLM engine failed: {exc.__class__.__name__}: {exc}") from None
             loop["steps"] += 1
