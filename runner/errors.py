@@ -1,6 +1,6 @@
 """The runner's own error types. Core code raises these; only the CLI turns them into messages.
 
-Each class carries the process exit code the CLI uses for it (documented in the README).
+Each class carries the process exit code the CLI uses for it (README: "Exit codes").
 """
 from __future__ import annotations
 
@@ -45,3 +45,9 @@ class LockedError(RunnerError):
     """Another run of the same job holds the lock."""
 
     exit_code = 75  # EX_TEMPFAIL: cron wrappers treat it as "try later"
+
+
+class TooManyFailed(RunnerError):
+    """The run completed, but more of the job's rows are not ok than output.max_failed_fraction allows."""
+
+    exit_code = 65  # EX_DATAERR: cron sees a failure although every row was stored

@@ -81,3 +81,39 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
         "sampling": sampling,
         "prompt_set": prompt_set_fingerprint(job.spec.prompts.user_template, system_prompt_keys, job.system_prompt),
     }
+
+
+def result_fingerprint(job) -> tuple[str, dict]:
+    """(fingerprint, components) of what makes a job's results: the model and its chat template,
+    the prompts, the schema, the sampling, the prompt-length rule, the speculative setting as
+    configured (drafts can change greedy outputs). The documents are the rows' own data."""
+    files = {}
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        f = job.model_path / name
+        files[name] = hashlib.sha256(f.read_bytes()).hexdigest()[:16] if f.is_file() else None
+    spec = job.spec
+    components = {
+        "model": model_fingerprint(job.model_path),
+        "chat_template": files,
+        "engine": job.engine.model_dump(mode="json", include={"dtype", "load_format", "max_model_len", "speculative"}),
+        "prompts": spec.prompts.model_dump(mode="json", exclude={"system_file"})
+        | {"system_sha256": hashlib.sha256(job.system_prompt.encode()).hexdigest()[:16] if job.system_prompt else None},
+        "output_schema": digest(job.output_schema)[:16],
+        "sampling": spec.sampling.model_dump(mode="json"),
+        "on_too_long": spec.input.on_too_long,
+    }
+    return digest(components)[:16], components
+
+
+def changed_parts(old: dict, new: dict) -> list[str]:
+    """Dotted names of the components that differ, e.g. ['output_schema', 'sampling.max_tokens']."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{key}.{k}" for k in changed_parts(a, b)]
+        else:
+            out.append(key)
+    return out

@@ -97,7 +97,7 @@ def _text_column(file: str, batch, name: str, field: str):
     """A column as valid UTF-8 strings, or an InputError naming the file and column."""
     import pyarrow as pa
 
-    arr = batch.column(name)
+    arr = _decoded(batch.column(name))
     if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type):
         try:
             arr = arr.cast(pa.string())
@@ -112,10 +112,27 @@ def _text_column(file: str, batch, name: str, field: str):
     return arr
 
 
+def _decoded(arr):
+    """A dictionary-encoded column (pandas categoricals, repeated prompts) as plain values."""
+    import pyarrow as pa
+
+    return arr.dictionary_decode() if pa.types.is_dictionary(arr.type) else arr
+
+
+def _extra_column(file: str, batch, name: str):
+    """An extra column for the template: bytes must be UTF-8 text (they would show as b'...')."""
+    import pyarrow as pa
+
+    arr = _decoded(batch.column(name))
+    if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type):
+        return _text_column(file, batch, name, "input.extra_columns")
+    return arr
+
+
 def _id_column(file: str, batch, name: str):
     import pyarrow as pa
 
-    arr = batch.column(name)
+    arr = _decoded(batch.column(name))
     if not (pa.types.is_integer(arr.type) or pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
         raise InputError(f"{file}: column {name!r} (input.id_column) must hold integers or text, not {arr.type}")
     return arr.cast(pa.string())
@@ -126,7 +143,7 @@ def scan_input(input_path: str, spec: InputSpec) -> InputScan:
     import pyarrow.compute as pc
 
     files = input_files(input_path)
-    cols = [spec.id_column, spec.text_column] + ([spec.system_prompt_column] if spec.system_prompt_column else [])
+    cols = needed_columns(spec)
     seen: set[str] = set()
     prompt_keys: set[str] = set()
     rows = 0
@@ -147,6 +164,8 @@ def scan_input(input_path: str, spec: InputSpec) -> InputScan:
                 raise InputError(f"{file}: column {spec.system_prompt_column!r} has {sp.null_count} null system prompts")
             if len(prompt_keys) < MAX_PROMPT_KEYS:
                 prompt_keys.update(group_key(v) for v in pc.unique(sp).to_pylist())
+        for c in spec.extra_columns:
+            _extra_column(file, batch, c)  # bytes that are not UTF-8 stop the run here
         for rid in ids.to_pylist():
             if rid in seen:
                 raise InputError(f"{file}: duplicate id {rid!r} in column {spec.id_column!r} (input.id_column)")
@@ -172,7 +191,7 @@ def documents_from_batches(batches, spec: InputSpec, system_prompt: str | None) 
             systems = _text_column(file, batch, spec.system_prompt_column, "input.system_prompt_column").to_pylist()
         else:
             systems = [system_prompt] * len(ids)
-        extras = {c: batch.column(c).to_pylist() for c in spec.extra_columns}
+        extras = {c: _extra_column(file, batch, c).to_pylist() for c in spec.extra_columns}
         for i, rid in enumerate(ids):
             yield Document(
                 row_id=rid,

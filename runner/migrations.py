@@ -126,7 +126,49 @@ def m004_calibrations(conn: Connection) -> None:
     conn.exec_driver_sql("CREATE INDEX calibrations_key ON calibrations (key_sha256, id)")
 
 
-MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations]
+def m005_fingerprints(conn: Connection) -> None:
+    # What produced each result (runner/fingerprint.py), so that a run redoes rows made by an older
+    # version of the job; the rows it replaces go to results_history, nothing is lost.
+    conn.exec_driver_sql("ALTER TABLE results ADD COLUMN fingerprint TEXT")  # NULL: made before fingerprints
+    conn.exec_driver_sql("""
+        CREATE TABLE fingerprints (
+            fingerprint TEXT NOT NULL,
+            job_name TEXT NOT NULL,
+            components_json TEXT NOT NULL,  -- model, prompts, schema, sampling... that it hashes
+            created_at_utc TEXT NOT NULL,
+            PRIMARY KEY (job_name, fingerprint)
+        )""")
+    conn.exec_driver_sql("""
+        CREATE TABLE results_history (
+            id INTEGER PRIMARY KEY,
+            result_id INTEGER NOT NULL,  -- results.id of the row it was
+            run_id INTEGER NOT NULL,
+            job_name TEXT NOT NULL,
+            row_id TEXT NOT NULL,
+            group_key TEXT NOT NULL,
+            status TEXT NOT NULL,
+            extraction_json TEXT,
+            output_text TEXT,
+            error TEXT,
+            prompt_tokens INTEGER NOT NULL,
+            completion_tokens INTEGER NOT NULL,
+            cached_prompt_tokens INTEGER NOT NULL,
+            finish_reason TEXT,
+            latency_ms REAL NOT NULL,
+            preemptions INTEGER NOT NULL,
+            attempts INTEGER NOT NULL,
+            first_status TEXT,
+            fingerprint TEXT,
+            created_at_utc TEXT NOT NULL,
+            replaced_at_utc TEXT NOT NULL,
+            replaced_by_run_id INTEGER NOT NULL
+        )""")
+    conn.exec_driver_sql("CREATE INDEX results_history_row ON results_history (job_name, row_id)")
+    conn.exec_driver_sql("ALTER TABLE run_stats ADD COLUMN rows_redone INTEGER NOT NULL DEFAULT 0")
+    conn.exec_driver_sql("ALTER TABLE runs ADD COLUMN log_path TEXT")  # where vLLM's and torch's output went
+
+
+MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations, m005_fingerprints]
 
 
 def utc_now() -> str:

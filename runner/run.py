@@ -9,13 +9,13 @@ import json
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Optional, Protocol
 
 from runner.calibrate import CalibrationContext, calibrate
 from runner.engines import Completion, Engine, Request, build_engine
-from runner.errors import RunnerError
-from runner.fingerprint import calibration_key
+from runner.errors import ModelError, RunnerError
+from runner.fingerprint import calibration_key, changed_parts, result_fingerprint
 from runner.inputs import iter_documents, prefetch, scan_input
 from runner.lock import JobLock
 from runner.outputs import FAILED, OK, STATUSES, OutputChecker
@@ -42,8 +42,16 @@ class RunSummary:
     database: str
     rows_input: int
     rows_skipped: int
-    counts: dict[str, int]
+    counts: dict[str, int]  # this run's rows by status
     stats: dict
+    rows_redone: int = 0  # stored rows run again: made by another version of the job, or --retry-failed
+    redo_reasons: list[str] = field(default_factory=list)  # what changed, e.g. "sampling.max_tokens"
+    job_counts: dict[str, int] = field(default_factory=dict)  # all the job's stored rows by status
+
+    @property
+    def failed_fraction(self) -> float:
+        total = sum(self.job_counts.values())
+        return (total - self.job_counts.get("ok", 0)) / total if total else 0.0
 
 
 class Interrupted(RunnerError):
@@ -76,10 +84,25 @@ class RequestBuilder:
                 yield group.key, self.build_many(group, group.docs[start:start + TOKENIZE_CHUNK_ROWS])
 
     def build_many(self, group: Group, docs: list[Document]) -> list[Request | Completion]:
-        """build() for a chunk of one group's rows, tokenized together (in parallel)."""
+        """build() for a chunk of one group's rows, tokenized together (in parallel). A row whose
+        prompt cannot be built (a format spec its value does not fit) is a failed row, not a crash."""
         b = self.builder
-        all_ids = b.prompt_ids_batch(group.system_prompt, [b.user_text(d) for d in docs])
-        return [self.build(group, d, ids) for d, ids in zip(docs, all_ids)]
+        out: list[Request | Completion] = []
+        texts: list[tuple[int, str]] = []
+        for d in docs:
+            try:
+                texts.append((len(out), b.user_text(d)))
+                out.append(d)  # placeholder, replaced below
+            except (KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
+                out.append(Completion(d.row_id, error=f"prompt could not be built from prompts.user_template: "
+                                                       f"{exc.__class__.__name__}: {exc}"))
+        try:
+            all_ids = b.prompt_ids_batch(group.system_prompt, [t for _, t in texts])
+        except ModelError as exc:  # the chat template refused this system prompt (raise_exception)
+            return [Completion(d.row_id, error=str(exc)) if isinstance(o, Document) else o for d, o in zip(docs, out)]
+        for (i, _), ids in zip(texts, all_ids):
+            out[i] = self.build(group, docs[i], ids)
+        return out
 
     def build(self, group: Group, doc: Document, ids: list[int]) -> Request | Completion:
         b = self.builder
@@ -104,11 +127,16 @@ class RequestBuilder:
 def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine, restart: bool = False,
             wait: bool = False, progress_factory: Optional[Callable[[int], Progress]] = None,
             recalibrate: bool = False, clock: Callable[[], float] = time.perf_counter,
-            on_input_ok: Optional[Callable[[], None]] = None) -> RunSummary:
+            on_input_ok: Optional[Callable[[], None]] = None, retry_failed: bool = False,
+            notify: Optional[Callable[[str], None]] = None, log_path: Optional[str] = None) -> RunSummary:
     """Run a job to completion (or resume it). Raises RunnerError subclasses; never prints.
+
+    Rows stored by this version of the job are skipped; rows made by another version (a changed
+    schema, prompt, sampling...) run again and the old results move to results_history.
+    `retry_failed`: run the rows that are not ok instead (ok rows stay, whatever made them).
     `recalibrate`: measure `speculative: auto` again instead of reusing a stored choice.
     `on_input_ok`: called once the input, model folder, lock and database are fine (the CLI starts
-    importing vLLM there)."""
+    importing vLLM there). `notify`: told what the run will redo before it starts."""
     # Bad input or a missing model stops the run here, before anything is written.
     scan = scan_input(job.input_path, job.spec.input)
     builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
@@ -120,15 +148,21 @@ def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine,
         if restart:
             store.delete_results(job.name)
         store.mark_abandoned_runs(job.name)
-        done = store.done_row_ids(job.name)
+        fingerprint, components = result_fingerprint(job)
+        store.register_fingerprint(job.name, fingerprint, components)
+        done = store.done_row_ids(job.name, fingerprint, ok_only=retry_failed)
         skipped = len(scan.ids & done)
-        run_id = store.begin_run(job.name, str(job.path), job.snapshot())
+        redone, reasons = _redo(store, job, scan.ids, done, fingerprint, components, retry_failed)
+        if redone and notify is not None:
+            notify(f"running {redone:,} stored rows again: " + ("--retry-failed" if retry_failed else
+                   "they were made by another version of the job (changed: " + ", ".join(reasons) + ")"))
+        run_id = store.begin_run(job.name, str(job.path), job.snapshot() | {"fingerprint": fingerprint}, log_path)
         old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM,)}
         todo = scan.rows - skipped
         ctx = CalibrationContext(store, calibration_key(job, scan.system_prompt_keys), todo, run_id, force=recalibrate)
         try:
             summary = _execute(job, store, run_id, RunEngines(job, engine_factory, store, run_id, clock), builder,
-                               done, todo, skipped, progress_factory, ctx)
+                               done, todo, skipped, progress_factory, ctx, redone)
         except BaseException as exc:
             status = "interrupted" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else "failed"
             store.finish_run(run_id, status, error=str(exc) or exc.__class__.__name__)
@@ -138,11 +172,28 @@ def run_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine,
                 signal.signal(s, h)
             store.close()  # the last connection checkpoints the WAL into the database file
         summary.rows_input, summary.rows_skipped = scan.rows, skipped
+        summary.rows_redone, summary.redo_reasons = redone, reasons
+        summary.job_counts = store.job_status_counts(job.name)
         return summary
 
 
+def _redo(store: Store, job: Job, input_ids: set[str], done: set[str], fingerprint: str, components: dict,
+          retry_failed: bool) -> tuple[int, list[str]]:
+    """How many stored rows of this input the run makes again, and what changed since they were made."""
+    stored = store.done_row_ids(job.name)
+    redone = len((stored - done) & input_ids)
+    if not redone or retry_failed:
+        return redone, []
+    known = store.fingerprint_components(job.name)
+    stale = {e.get("fingerprint") for e in store.rows_by_fingerprint(job.name)} - {fingerprint, None}
+    reasons: set[str] = set()
+    for fp in stale & set(known):
+        reasons.update(changed_parts(known[fp], components))
+    return redone, sorted(reasons)
+
+
 def _execute(job, store, run_id, engines: RunEngines, builder, done, todo, skipped, progress_factory,
-             ctx: CalibrationContext) -> RunSummary:
+             ctx: CalibrationContext, redone: int) -> RunSummary:
     clock = engines.clock
     t_start = clock()
     progress = progress_factory(todo) if progress_factory else None
@@ -170,6 +221,7 @@ def _execute(job, store, run_id, engines: RunEngines, builder, done, todo, skipp
             progress.close()
     stats = build_stats(loop.counts, loop.tokens, engines.used, clock() - t_start, engines.load_s,
                         engines.gen_s, loop.rb.plan().prefix_share, skipped)
+    stats["rows_redone"] = redone
     stats["engine_choice_json"] = json.dumps({"speculative_calibration": choice, "engines": engines.adaptations,
                                               "engine_starts_s": [round(x, 3) for x in engines.starts]})
     store.finish_run(run_id, "completed", stats=stats)
@@ -221,6 +273,7 @@ class _Loop:
         self.clock = clock
         self.job, self.store, self.run_id, self.rb, self.progress = job, store, run_id, requests, progress
         self.keep_results = keep_results  # False: measure only (runner calibrate)
+        self.fingerprint = result_fingerprint(job)[0]  # stored with every row: what made it
         self.checker = OutputChecker(job.output_schema)
         self.inflight: dict[str, tuple[Request, int, Optional[str]]] = {}  # row -> (request, attempt, first status)
         self.immediate: deque[tuple[Completion, str]] = deque()
@@ -269,7 +322,7 @@ class _Loop:
             extraction_json=extraction, output_text=c.text, error=error, prompt_tokens=c.prompt_tokens,
             completion_tokens=c.completion_tokens, cached_prompt_tokens=c.cached_prompt_tokens,
             finish_reason=c.finish_reason, latency_ms=round(c.latency_ms, 3), preemptions=c.preemptions,
-            attempts=attempts, first_status=first_status))
+            attempts=attempts, first_status=first_status, fingerprint=self.fingerprint))
         self.counts[status] += 1
         self.tokens["prompt"] += c.prompt_tokens
         self.tokens["completion"] += c.completion_tokens

@@ -48,6 +48,8 @@ class SamplingSpec(Strict):
 class OutputSpec(Strict):
     database: str
     commit_every_rows: int = Field(default=64, ge=1)
+    max_failed_fraction: float = Field(default=0.05, ge=0, le=1, description=(
+        "a run whose job ends with more rows not ok than this exits 65, so that cron notices"))
 
 
 class RaySpec(Strict):
@@ -250,11 +252,19 @@ def _ids(node: Any):
 
 
 def template_fields(template: str) -> set[str]:
-    """The placeholder names used by a str.format template."""
+    """The placeholder names of a str.format template: plain fields with an optional format spec.
+    Indexing and attribute access (`{title[0]}`, `{title.upper}`) would fail on real rows only."""
     try:
-        return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
+        parsed = [(name, spec) for _, name, spec, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as exc:
         raise SpecError(f"prompts.user_template: {exc}") from None
+    for name, spec in parsed:
+        if not name or not name.isidentifier():
+            raise SpecError(f"prompts.user_template: {{{name}}}: use a column name, as {{text}} or {{title:>20}}; "
+                            f"indexing, attribute access and positional fields are not allowed")
+        if "{" in (spec or ""):
+            raise SpecError(f"prompts.user_template: {{{name}:{spec}}}: nested fields in a format spec are not allowed")
+    return {name for name, _ in parsed}
 
 
 def load_job(path: str | Path) -> Job:

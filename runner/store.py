@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from sqlalchemy import MetaData, create_engine, event, func, select, update
+from sqlalchemy import MetaData, create_engine, event, func, literal, select, update
 from sqlalchemy.dialects.sqlite import insert
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -51,6 +51,8 @@ class Store:
         self.run_stats = meta.tables["run_stats"]
         self.run_samples = meta.tables["run_samples"]
         self.calibrations = meta.tables["calibrations"]
+        self.fingerprints = meta.tables["fingerprints"]
+        self.history = meta.tables["results_history"]
 
     def close(self) -> None:
         self.engine.dispose()
@@ -64,10 +66,10 @@ class Store:
                              f"problem(s) found by PRAGMA quick_check): restore it from a backup or move it away")
 
     # -- runs -------------------------------------------------------------------------------
-    def begin_run(self, job_name: str, job_path: str, config: dict) -> int:
+    def begin_run(self, job_name: str, job_path: str, config: dict, log_path: Optional[str] = None) -> int:
         values = dict(job_name=job_name, job_path=job_path, config_json=json.dumps(config, sort_keys=True),
                       status="running", started_at_utc=utc_now(), runner_version=__version__,
-                      host=socket.gethostname(), pid=os.getpid())
+                      host=socket.gethostname(), pid=os.getpid(), log_path=log_path)
         with self._tx() as conn:
             return conn.execute(self.runs.insert().values(**values)).inserted_primary_key[0]
 
@@ -93,12 +95,56 @@ class Store:
             ).values(status="interrupted", ended_at_utc=utc_now(), error="process ended before the run finished")).rowcount
 
     # -- results ----------------------------------------------------------------------------
-    def done_row_ids(self, job_name: str) -> set[str]:
+    def done_row_ids(self, job_name: str, fingerprint: Optional[str] = None, ok_only: bool = False) -> set[str]:
+        """Rows a run skips: made by this fingerprint (or before fingerprints existed), or with
+        `ok_only` (--retry-failed) every row whose status is ok, whatever made it."""
+        r = self.results.c
+        q = select(r.row_id).where(r.job_name == job_name)
+        if ok_only:
+            q = q.where(r.status == "ok")
+        elif fingerprint is not None:
+            q = q.where((r.fingerprint == fingerprint) | r.fingerprint.is_(None))
         with self.engine.connect() as conn:
-            return set(conn.execute(select(self.results.c.row_id).where(self.results.c.job_name == job_name)).scalars())
+            return set(conn.execute(q).scalars())
+
+    def register_fingerprint(self, job_name: str, fingerprint: str, components: dict) -> None:
+        stmt = insert(self.fingerprints).on_conflict_do_nothing()
+        with self._tx() as conn:
+            conn.execute(stmt, dict(job_name=job_name, fingerprint=fingerprint, created_at_utc=utc_now(),
+                                    components_json=json.dumps(components, sort_keys=True, default=str)))
+
+    def fingerprint_components(self, job_name: str) -> dict[str, dict]:
+        f = self.fingerprints.c
+        with self.engine.connect() as conn:
+            return {fp: json.loads(c) for fp, c in conn.execute(
+                select(f.fingerprint, f.components_json).where(f.job_name == job_name))}
+
+    def rows_by_fingerprint(self, job_name: str) -> list[dict]:
+        """Per fingerprint: rows by status and when they were made."""
+        r = self.results.c
+        q = select(r.fingerprint, r.status, func.count(), func.min(r.created_at_utc), func.max(r.created_at_utc)) \
+            .where(r.job_name == job_name).group_by(r.fingerprint, r.status)
+        out: dict = {}
+        with self.engine.connect() as conn:
+            for fp, status, n, first, last in conn.execute(q):
+                e = out.setdefault(fp, {"fingerprint": fp, "rows": 0, "statuses": {}, "first_at_utc": first,
+                                        "last_at_utc": last})
+                e["rows"] += n
+                e["statuses"][status] = n
+                e["first_at_utc"], e["last_at_utc"] = min(e["first_at_utc"], first), max(e["last_at_utc"], last)
+            history = conn.execute(select(func.count()).select_from(self.history)
+                                   .where(self.history.c.job_name == job_name)).scalar()
+        return sorted(out.values(), key=lambda e: e["last_at_utc"], reverse=True) + [{"history_rows": history}]
+
+    def job_status_counts(self, job_name: str) -> dict[str, int]:
+        q = select(self.results.c.status, func.count()).where(self.results.c.job_name == job_name) \
+            .group_by(self.results.c.status)
+        with self.engine.connect() as conn:
+            return {s: n for s, n in conn.execute(q)}
 
     def write_results(self, rows: list[dict[str, Any]], samples: Optional[list[dict[str, Any]]] = None) -> None:
-        """Upsert a batch of result rows, and any throughput samples, in one transaction."""
+        """Upsert a batch of result rows, and any throughput samples, in one transaction. A row that
+        replaces a stored one (a changed job, --retry-failed) moves the old one to results_history."""
         if not rows and not samples:
             return
         stmt = insert(self.results)
@@ -109,9 +155,21 @@ class Store:
         now = utc_now()
         with self._tx() as conn:
             if rows:
+                self._archive(conn, rows, now)
                 conn.execute(stmt, [dict(r, created_at_utc=now) for r in rows])
             if samples:
                 conn.execute(insert(self.run_samples).on_conflict_do_nothing(), samples)
+
+    def _archive(self, conn, rows: list[dict[str, Any]], now: str) -> None:
+        r, h = self.results.c, self.history
+        kept = [c.name for c in self.results.columns if c.name != "id"]
+        by_job: dict[str, list[str]] = {}
+        for row in rows:
+            by_job.setdefault(row["job_name"], []).append(row["row_id"])
+        for job, ids in by_job.items():
+            old = select(r.id, *[r[c] for c in kept], literal(now), literal(rows[0]["run_id"])) \
+                .where(r.job_name == job, r.row_id.in_(ids))
+            conn.execute(h.insert().from_select(["result_id", *kept, "replaced_at_utc", "replaced_by_run_id"], old))
 
     def delete_results(self, job_name: str) -> int:
         with self._tx() as conn:

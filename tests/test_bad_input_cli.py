@@ -35,6 +35,8 @@ def bad_parquet(kind):
             _parquet(f, id=["a", "b"], text=["t", None], system_prompt=["s", "s"])
         elif kind == "not_utf8":
             _parquet(f, id=["a"], text=pa.array([b"caf\xe9"], pa.binary()), system_prompt=["s"])
+        elif kind == "extra_not_utf8":
+            _parquet(f, id=["a"], text=["t"], system_prompt=["s"], title=pa.array([b"caf\xe9"], pa.binary()))
     return make
 
 
@@ -65,6 +67,14 @@ CASES = [
     ("unknown key", edit_job(lambda s, p: s["output"].update(databse="x")), 2, "job.yaml: output.databse: unknown key"),
     ("schema not JSON Schema", write_text("schemas/out.json", json.dumps({"type": 12})), 2,
      "out.json: not a valid JSON Schema"),
+    ("extra column not UTF-8", lambda p, j: (bad_parquet("extra_not_utf8")(p, j), edit_job(
+        lambda s, _: s["input"].update(extra_columns=["title"]))(p, j)), 3,
+     "column 'title' (input.extra_columns) holds bytes that are not UTF-8 text"),
+    ("template indexing", edit_job(lambda s, p: s.update(prompts={"user_template": "{text} {title[999]}"}) or
+                                   s["input"].update(extra_columns=["title"])), 2,
+     "prompts.user_template: {title[999]}: use a column name"),
+    ("template attribute", edit_job(lambda s, p: s.update(prompts={"user_template": "{text.upper}"})), 2,
+     "prompts.user_template: {text.upper}"),
     ("missing model path", edit_job(lambda s, p: s["engine"].update(model=str(p / "nope"))), 4, "nope: model folder not found (engine.model"),
 ]
 

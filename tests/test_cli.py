@@ -18,7 +18,7 @@ def invoke():
 
 
 @pytest.mark.parametrize("command", [[], ["run"], ["validate"], ["plan"], ["stats"], ["report"], ["export"],
-                                     ["prepare-model"], ["calibrate"]])
+                                     ["prepare-model"], ["calibrate"], ["status"]])
 def test_every_command_has_help_with_an_example(invoke, command):
     out = invoke(*command, "--help")
     assert out.exit_code == 0

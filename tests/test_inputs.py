@@ -114,3 +114,18 @@ def test_prefetch_reads_ahead_in_order_and_raises_where_the_item_was():
     assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
     with pytest.raises(InputError, match="row 5"):
         next(it)
+
+
+def test_dictionary_encoded_columns_and_binary_extras_are_text(tmp_path):
+    f = tmp_path / "d.parquet"
+    pq.write_table(pa.table({
+        "id": pa.array(["a", "b", "c"]).dictionary_encode(),  # pandas categoricals arrive like this
+        "text": ["t1", "t2", "t3"],
+        "system_prompt": pa.array(["s", "s", "s"]).dictionary_encode(),
+        "title": pa.array(["café".encode(), b"plain", None], pa.binary()),
+    }), f)
+    spec = SPEC.model_copy(update={"extra_columns": ["title"]})
+    assert scan_input(str(f), spec).ids == {"a", "b", "c"}
+    rows = list(iter_documents(str(f), spec, None))
+    assert [r.row_id for r in rows] == ["a", "b", "c"] and rows[0].system_prompt == "s"
+    assert [r.fields["title"] for r in rows] == ["café", "plain", ""]  # not "b'caf\\xc3\\xa9'"

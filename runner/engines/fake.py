@@ -13,8 +13,15 @@ from runner.engines.base import Completion, EngineCounters, EngineInfo, Request
 from runner.plan import DEFAULT_BLOCK_TOKENS as BLOCK_TOKENS
 
 
-def example_for_schema(schema: dict, seed: str = "") -> object:
-    """A small value that satisfies simple JSON Schemas (objects, arrays, enums, scalars)."""
+def example_for_schema(schema: dict, seed: str = "", root: Optional[dict] = None) -> object:
+    """A small value that satisfies simple JSON Schemas (objects, arrays, enums, scalars, local $ref)."""
+    root = schema if root is None else root
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        target = root
+        for part in ref[2:].split("/"):
+            target = target[part]
+        return example_for_schema(target, seed, root)
     if "const" in schema:
         return schema["const"]
     if "enum" in schema:
@@ -24,10 +31,10 @@ def example_for_schema(schema: dict, seed: str = "") -> object:
         kind = kind[0]
     if kind == "object":
         props = schema.get("properties", {})
-        return {k: example_for_schema(props.get(k, {}), seed) for k in schema.get("required", list(props))}
+        return {k: example_for_schema(props.get(k, {}), seed, root) for k in schema.get("required", list(props))}
     if kind == "array":
         n = max(schema.get("minItems", 1), 1)
-        return [example_for_schema(schema.get("items", {"type": "string"}), seed) for _ in range(n)]
+        return [example_for_schema(schema.get("items", {"type": "string"}), seed, root) for _ in range(n)]
     if kind == "integer":
         return int(schema.get("minimum", 1))
     if kind == "number":

@@ -1,0 +1,148 @@
+"""Commands that read a results database: stats, status, report, export."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from runner.cli import cli, reports_errors
+from runner.cli_output import fmt, say, stats_table, table
+
+
+def _open_store(job, db):
+    """The results database named by --job or --db, and the job's name when --job was given."""
+    from runner.errors import SpecError, StoreError
+    from runner.store import Store
+
+    job_name = None
+    if job:
+        from runner.spec import load_job
+
+        spec = load_job(job)
+        db, job_name = spec.database_path, spec.name
+    if not db:
+        raise SpecError("give --job JOB or --db DATABASE")
+    if not Path(db).is_file():
+        raise StoreError(f"{db}: no results database here yet")
+    return Store(db), job_name
+
+
+def db_options(fn):
+    for option in reversed([
+        click.option("--job", "job", type=click.Path(dir_okay=False), help="Job file whose database to read."),
+        click.option("--db", "db", type=click.Path(dir_okay=False), help="Results database to read."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+@cli.command()
+@click.argument("run_id", required=False, type=int)
+@db_options
+@click.option("--last", "last", default=1, show_default=True, help="How many recent runs to show.")
+@reports_errors
+def stats(run_id, job, db, last):
+    """Show the stats of run RUN_ID, or of the last runs of a job.
+
+    \b
+    Example:
+      runner stats --job jobs/summarize.yaml --last 5
+      runner stats 3 --db out/summarize.sqlite
+    """
+    from runner.errors import StoreError
+
+    store, job_name = _open_store(job, db)
+    runs = [store.run(run_id)] if run_id is not None else store.latest_runs(job_name, last)
+    if not runs or runs[0] is None:
+        raise StoreError(f"{store.path}: no run {run_id}" if run_id is not None else f"{store.path}: no runs yet")
+    for r in runs:
+        s = store.stats(r["id"]) or {}
+        say(f"run {r['id']}  {r['job_name']}  {r['status']}  started {r['started_at_utc']}")
+        say(stats_table(s, store.result_counts(r["id"]), [
+            ("rows run again", fmt(s.get("rows_redone"))),
+            ("engine", f"{r['engine_backend'] or '-'} {r['engine_version'] or ''} {r['engine_settings_json'] or ''}"),
+            ("engine log", r.get("log_path") or "-"),
+        ] + ([("error", r["error"])] if r["error"] else [])))
+
+
+@cli.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@reports_errors
+def status(job):
+    """Show JOB's stored rows by the version of the job that made them (their fingerprint).
+
+    The current version's rows are kept by the next run; rows made by another version (a changed
+    schema, prompt, sampling or model) run again, and the parts that changed are listed.
+
+    \b
+    Example:
+      runner status jobs/summarize.yaml
+    """
+    from runner.fingerprint import changed_parts, result_fingerprint
+    from runner.spec import load_job
+
+    spec = load_job(job)
+    store, _ = _open_store(job, None)
+    current, components = result_fingerprint(spec)
+    known = store.fingerprint_components(spec.name)
+    *groups, history = store.rows_by_fingerprint(spec.name)
+    say(f"job {spec.name}: {sum(g['rows'] for g in groups):,} rows stored in {store.path}")
+    rows = []
+    for g in groups:
+        fp = g["fingerprint"]
+        if fp == current:
+            what = "current"
+        elif fp is None:
+            what = "made before fingerprints (kept; --restart redoes them)"
+        else:
+            what = "changed: " + (", ".join(changed_parts(known[fp], components)) if fp in known else "unknown")
+        statuses = ", ".join(f"{k} {v}" for k, v in sorted(g["statuses"].items()))
+        rows.append((fp or "-", f"{g['rows']:,} rows ({statuses}), made {g['first_at_utc'][:16]} .. "
+                                f"{g['last_at_utc'][:16]}; {what}"))
+    if rows:
+        say(table(rows))
+    say(f"earlier results kept in results_history: {history['history_rows']:,}")
+
+
+@cli.command()
+@click.argument("run_id", type=int)
+@db_options
+@click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False), help="HTML file to write.")
+@reports_errors
+def report(run_id, job, db, output):
+    """Write an HTML report of run RUN_ID: throughput over time, per-group cache hits, statuses, tokens.
+
+    The file is self-contained (plots are inline SVG) and opens in any browser.
+
+    \b
+    Example:
+      runner report 3 --job jobs/summarize.yaml -o report.html
+    """
+    from runner.report import render_report
+
+    store, _ = _open_store(job, db)
+    Path(output).write_text(render_report(store, run_id), encoding="utf-8")
+    say(f"Report: {output}")
+
+
+@cli.command()
+@click.argument("run_id", type=int)
+@db_options
+@click.option("--format", "fmt_", type=click.Choice(["parquet", "csv", "jsonl"]), required=True)
+@click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False), help="File to write.")
+@reports_errors
+def export(run_id, job, db, fmt_, output):
+    """Export run RUN_ID's results, with the extraction's top-level fields as columns.
+
+    Scalar fields become columns named extraction_FIELD; arrays and objects become JSON text in
+    extraction_FIELD_json.
+
+    \b
+    Example:
+      runner export 3 --job jobs/summarize.yaml --format parquet -o results.parquet
+    """
+    from runner.export import export_run
+
+    store, _ = _open_store(job, db)
+    n = export_run(store, run_id, fmt_, Path(output))
+    say(f"Exported {n:,} rows to {output}")

@@ -1,0 +1,95 @@
+"""Where the runner's own output goes, and where the engine's goes.
+
+vLLM, torch and their C++ code write to the process's stdout and stderr (file descriptors 1 and
+2): log lines, warnings, progress bars of their own. vLLM's engine-core processes inherit those
+descriptors. During a run both descriptors point to a log file beside the database (or to stderr
+with -v), so that cron mails nothing on success; the runner's own messages (progress, summary,
+errors) reach the terminal through copies of the original descriptors.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator, Optional, TextIO
+
+from runner.errors import StoreError
+
+
+@dataclass
+class Console:
+    out: TextIO
+    err: TextIO
+
+
+_current: Optional[Console] = None
+
+
+def console() -> Console:
+    """The streams for the runner's own messages."""
+    return _current or Console(sys.stdout, sys.stderr)
+
+
+def log_path_for(database: Path, job_name: str) -> Path:
+    """The engine log of a job, beside its results database (as its lock file is)."""
+    return Path(f"{database}.{job_name}.log")
+
+
+def _terminal(stream: TextIO, fd: int) -> tuple[TextIO, Optional[int]]:
+    """A stream that keeps reaching where `stream` goes once descriptor `fd` is redirected."""
+    try:
+        if stream.fileno() != fd:
+            return stream, None
+    except (AttributeError, OSError, ValueError):  # not a real file (a test runner's buffer)
+        return stream, None
+    stream.flush()
+    dup = os.dup(fd)
+    return os.fdopen(dup, "w", buffering=1, encoding=getattr(stream, "encoding", None) or "utf-8",
+                     errors="replace", closefd=False), dup
+
+
+@contextmanager
+def engine_output_to(log: Optional[Path], header: str = "") -> Iterator[Console]:
+    """Point descriptors 1 and 2 at `log` (appended; None: at stderr) for the duration; yield the
+    console that still reaches the terminal."""
+    global _current
+    out, out_fd = _terminal(sys.stdout, 1)
+    err, err_fd = _terminal(sys.stderr, 2)
+    saved = (os.dup(1), os.dup(2))
+    try:
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        else:
+            target = os.dup(err_fd if err_fd is not None else 2)
+    except OSError as exc:
+        for fd in (*saved, out_fd, err_fd):
+            if fd is not None:
+                os.close(fd)
+        raise StoreError(f"{log}: cannot write the engine log beside the results database: "
+                         f"{exc.strerror or exc}") from None
+    if header:
+        os.write(target, f"==== {datetime.now(timezone.utc).isoformat(timespec='seconds')} {header}\n".encode())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(target, 1)
+    os.dup2(target, 2)
+    os.close(target)
+    previous, _current = _current, Console(out, err)
+    try:
+        yield _current
+    finally:
+        _current = previous
+        for stream in (sys.stdout, sys.stderr, out, err):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, out_fd, err_fd):
+            if fd is not None:
+                os.close(fd)

@@ -1,0 +1,146 @@
+"""Resume that notices a changed job, --retry-failed, the failed-rows exit code, rows whose prompt fails."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from runner.cli import cli
+from runner.engines.fake import FakeEngine
+from runner.run import run_job
+from runner.spec import load_job
+from tests.conftest import SCHEMA, SYSTEM_A
+from tests.test_crash_safety import runner_cmd
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])  # output: stdout and stderr
+
+
+def rows(db, *cols):
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(f"SELECT {', '.join(cols)} FROM results ORDER BY row_id").fetchall()
+    finally:
+        con.close()
+
+
+def count(db, table):
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+    finally:
+        con.close()
+
+
+def edit(path, fn):
+    spec = yaml.safe_load(path.read_text())
+    fn(spec)
+    path.write_text(yaml.safe_dump(spec))
+
+
+def test_a_changed_schema_redoes_the_stored_rows_and_keeps_the_old_ones(make_job, tmp_path):
+    job = make_job(rows=6)
+    db = tmp_path / "out" / "results.sqlite"
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    before = rows(db, "row_id", "fingerprint", "extraction_json")
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0  # unchanged: nothing to do
+    assert count(db, "results_history") == 0
+    new = SCHEMA | {"properties": SCHEMA["properties"] | {"topic": {"type": "string", "maxLength": 30}},
+                    "required": SCHEMA["required"] + ["topic"]}
+    (tmp_path / "schemas" / "out.json").write_text(json.dumps(new))
+    status = invoke("status", job)
+    assert status.exit_code == 0 and "6 rows (ok 6)" in status.output and "changed: output_schema" in status.output
+    out = invoke("run", "--engine", "fake", job)
+    assert out.exit_code == 0, out.output
+    assert "running 6 stored rows again" in out.output and "changed: output_schema" in out.output
+    after = rows(db, "row_id", "fingerprint", "extraction_json")
+    assert [r[0] for r in after] == [r[0] for r in before]
+    assert all(json.loads(r[2])["topic"] for r in after) and {r[1] for r in after} != {r[1] for r in before}
+    history = sqlite3.connect(db).execute("SELECT row_id, fingerprint, extraction_json FROM results_history "
+                                          "ORDER BY row_id").fetchall()
+    assert history == before  # nothing lost
+    status = invoke("status", job)
+    assert "current" in status.output and "results_history: 6" in status.output
+
+
+def test_changed_sampling_names_the_field_and_a_new_row_runs_alone(make_job, tmp_path):
+    job = make_job(rows=5)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    edit(job, lambda s: s["sampling"].update(max_tokens=32))
+    out = invoke("run", "--engine", "fake", job)
+    assert "running 5 stored rows again" in out.output and "sampling.max_tokens" in out.output
+    stats = sqlite3.connect(tmp_path / "out" / "results.sqlite").execute(
+        "SELECT rows_total, rows_redone FROM run_stats ORDER BY run_id").fetchall()
+    assert stats == [(5, 0), (5, 5)]
+
+
+def test_retry_failed_runs_only_rows_that_are_not_ok(make_job, tmp_path):
+    job = load_job(make_job(rows=8))
+    bad = {"r001", "r004"}
+    broken = lambda j: FakeEngine(SCHEMA, respond=lambda r: "not json" if r.row_id in bad else '{"summary": "s", "sentiment": "neutral"}')  # noqa: E731
+    first = run_job(job, engine_factory=broken)
+    assert first.counts["invalid_json"] == 2 and first.failed_fraction == 0.25
+    seen = []
+
+    def good(j):
+        e = FakeEngine(SCHEMA)
+        seen.append(e)
+        return e
+
+    again = run_job(job, engine_factory=good, retry_failed=True)
+    assert sorted(r.row_id for r in seen[0].seen) == sorted(bad) and again.rows_redone == 2
+    assert again.job_counts == {"ok": 8} and again.failed_fraction == 0
+    db = tmp_path / "out" / "results.sqlite"
+    assert count(db, "results_history") == 2
+
+
+def test_too_many_rows_not_ok_exits_65_after_storing_them(make_job, tmp_path):
+    impossible = SCHEMA | {"properties": SCHEMA["properties"] | {"summary": {"type": "string", "pattern": "^x$"}}}
+    job = make_job(rows=6, schema=impossible)
+    out = invoke("run", "--engine", "fake", "--quiet", job)
+    assert out.exit_code == 65
+    assert out.output.strip().startswith("Error: the run completed, but 6 of the job's 6 rows (100.0%) are not ok")
+    assert rows(tmp_path / "out" / "results.sqlite", "status") == [("schema_mismatch",)] * 6
+    edit(job, lambda s: s["output"].update(max_failed_fraction=1.0))
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+
+
+def test_a_row_whose_prompt_cannot_be_built_is_a_failed_row(make_job, tmp_path):
+    f = tmp_path / "data" / "docs.parquet"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "text": ["t1", "t2", "t3"], "system_prompt": [SYSTEM_A] * 3,
+                             "n": pa.array([7, None, 9], pa.int64())}), f)
+    job = make_job(docs=f, job={"input": {"extra_columns": ["n"]}, "prompts": {"user_template": "{n:03d} {text}"},
+                                "output": {"max_failed_fraction": 0.5}})
+    out = invoke("run", "--engine", "fake", "--quiet", job)
+    assert out.exit_code == 0, out.output
+    got = rows(tmp_path / "out" / "results.sqlite", "row_id", "status", "error")
+    assert [(r, s) for r, s, _ in got] == [("a", "ok"), ("b", "failed"), ("c", "ok")]
+    assert "prompt could not be built from prompts.user_template: ValueError" in got[1][2]
+
+
+def test_quiet_prints_nothing_and_engine_output_goes_to_the_log(make_job, tmp_path):
+    job = make_job(rows=4)
+    done = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout == "" and done.stderr == ""
+    log = tmp_path / "out" / "results.sqlite.t.log"
+    assert log.is_file() and "runner run" in log.read_text()
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT log_path FROM runs").fetchone()[0] == str(log)
+    done = subprocess.run(runner_cmd("run", "--engine", "fake", "--restart", job), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "Results:" in done.stdout  # not quiet: the summary, on stdout
+
+
+@pytest.mark.parametrize("command", ["status"])
+def test_status_needs_a_database(make_job, command):
+    out = invoke(command, make_job(rows=2))
+    assert out.exit_code == 6 and "no results database here yet" in out.output
