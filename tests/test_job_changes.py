@@ -103,7 +103,7 @@ def test_retry_failed_runs_only_rows_that_are_not_ok(make_job, tmp_path):
 
 def test_too_many_rows_not_ok_exits_65_after_storing_them(make_job, tmp_path):
     impossible = SCHEMA | {"properties": SCHEMA["properties"] | {"summary": {"type": "string", "pattern": "^x$"}}}
-    job = make_job(rows=6, schema=impossible)
+    job = make_job(rows=6, schema=impossible, job={"output": {"max_failed_fraction": 0.05}})
     out = invoke("run", "--engine", "fake", "--quiet", job)
     assert out.exit_code == 65
     assert out.output.strip().startswith("Error: the run completed, but 6 of the job's 6 rows (100.0%) are not ok")

@@ -37,7 +37,7 @@ def real_db(tmp_path_factory, model_dir):
         "name": "real", "input": {"path": "docs.parquet", "id_column": "id", "text_column": "text",
                                   "system_prompt_column": "system_prompt"},
         "output_schema": "schema.json", "engine": {"config": "engine.yaml"},
-        "sampling": {"temperature": 0, "max_tokens": 64}, "output": {"database": "results.sqlite", "commit_every_rows": 2}}))
+        "sampling": {"temperature": 0, "max_tokens": 64}, "output": {"database": "results.sqlite", "commit_every_rows": 2, "max_failed_fraction": 1.0}}))
     done = subprocess.run(runner_cmd("run", "--quiet", root / "job.yaml"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return root / "results.sqlite"

@@ -79,3 +79,41 @@ def test_runs_with_networking_cut_off(make_job, tmp_path):
     assert con.execute("SELECT count(*) FROM results").fetchone()[0] == 4
     settings = json.loads(con.execute("SELECT engine_settings_json FROM runs").fetchone()[0])
     assert settings["enable_prefix_caching"] is True
+
+
+def test_real_cron_run_is_silent_and_a_changed_job_redoes_its_rows(make_job, tmp_path):
+    """Under cron's environment a successful --quiet run writes nothing to stdout or stderr (vLLM's
+    and torch's output goes to the job's log); a changed max_tokens redoes the stored rows."""
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    from tests.conftest import SYSTEM_A
+
+    docs = tmp_path / "data" / "docs.parquet"
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(4)], "text": [f"The blender {i} broke." for i in range(4)],
+                             "system_prompt": [SYSTEM_A] * 4, "n": pa.array([1, 2, None, 4], pa.int64())}), docs)
+    job = make_job(docs=docs, job={"input": {"extra_columns": ["n"]}, "prompts": {"user_template": "#{n:02d}: {text}"},
+                                   "output": {"max_failed_fraction": 1.0}})  # the 135M model truncates some
+    cron = {"PATH": "/usr/bin:/bin", "HOME": os.environ["HOME"], "RUNNER_CACHE": os.environ.get("RUNNER_CACHE", "")}
+    cron = {k: v for k, v in cron.items() if v}
+    first = subprocess.run(runner_cmd("run", "--quiet", job), env=cron, stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=300)
+    assert (first.returncode, first.stdout, first.stderr) == (0, "", "")
+    log = (tmp_path / "out" / "results.sqlite.t.log").read_text()
+    assert "vllm" in log.lower()  # vLLM's own output went here
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    statuses = dict(con.execute("SELECT row_id, status FROM results").fetchall())
+    assert statuses["r2"] == "failed" and sum(s != "failed" for s in statuses.values()) == 3
+    spec = yaml.safe_load(job.read_text())
+    spec["sampling"]["max_tokens"] = 48
+    job.write_text(yaml.safe_dump(spec))
+    second = subprocess.run(runner_cmd("run", "--quiet", job), env=cron, stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=300)
+    assert (second.returncode, second.stdout, second.stderr) == (0, "", "")
+    assert con.execute("SELECT rows_total, rows_redone FROM run_stats ORDER BY run_id").fetchall() == [(4, 0), (4, 4)]
+    assert con.execute("SELECT count(*) FROM results_history").fetchone()[0] == 4
+    assert con.execute("SELECT count(DISTINCT fingerprint) FROM results").fetchone()[0] == 1
