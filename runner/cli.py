@@ -200,6 +200,8 @@ def plan(job):
         say(f"{g.key:<12}  {g.rows:>7,}  {g.prompt_tokens:>11,}  {g.prefix_tokens:>10,}  {share:>9.1%}  {g.preview}")
     exact = "" if p.tokens_exact else " (estimated: model not prepared)"
     say(f"{len(p.groups)} groups, {p.rows:,} rows, {p.prompt_tokens:,} prompt tokens{exact}")
+    if p.rows_without_prompt:
+        say(f"{p.rows_without_prompt:,} rows whose values do not fit prompts.user_template (a run stores them as failed)")
     say(f"shared-prefix share of prompt tokens (prefix-cache bound, {p.block_tokens}-token blocks): "
         f"{100 * p.prefix_share:.1f}%")
 

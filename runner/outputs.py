@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from runner.engines.base import Completion
+from runner.fast_schema import compile_schema
 
 # Final statuses; every one of them counts as done for resume.
 OK = "ok"
@@ -39,6 +40,7 @@ class OutputChecker:
 
         cls = jsonschema.validators.validator_for(schema)
         self._validator = cls(schema, format_checker=cls.FORMAT_CHECKER, registry=Registry(retrieve=offline))
+        self._fast = compile_schema(schema)  # None: jsonschema checks every row
 
     def check(self, c: Completion, max_tokens: int) -> Checked:
         if c.error is not None:
@@ -49,6 +51,8 @@ class OutputChecker:
             if c.finish_reason == "length":
                 return Checked(TRUNCATED, None, f"output cut off at max_tokens={max_tokens} ({c.completion_tokens} tokens)")
             return Checked(INVALID_JSON, None, f"not valid JSON: {exc.msg} at char {exc.pos}")
+        if self._fast is not None and self._fast(value):
+            return Checked(OK, json.dumps(value, ensure_ascii=False), None)
         problem = next(iter(sorted(self._validator.iter_errors(value), key=lambda e: list(e.absolute_path))), None)
         if problem is not None:
             where = "/".join(str(p) for p in problem.absolute_path) or "(root)"

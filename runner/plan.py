@@ -70,26 +70,49 @@ class PrefixCacheBound:
     run order through the same rule gives the upper bound on the prefix-cache hit rate.
     """
 
-    def __init__(self, block_tokens: int = DEFAULT_BLOCK_TOKENS, max_blocks: int = 4_000_000):
+    def __init__(self, block_tokens: int = DEFAULT_BLOCK_TOKENS, max_blocks: int = 262_144):
         self.block_tokens = block_tokens
         self.max_blocks = max_blocks  # memory cap: forgetting makes the bound a little lower, never higher
         self._seen: set[int] = set()
+        self._generation = 0  # bumped when _seen is cleared
+        self._heads: dict[str, tuple[int, int, int]] = {}  # key -> (tokens, chain hash, generation)
 
-    def add(self, ids: list[int]) -> int:
-        """Record one prompt; return how many of its tokens the cache could have served."""
+    def add(self, ids: list[int], head: Optional[tuple[str, int]] = None) -> int:
+        """Record one prompt; return how many of its tokens the cache could have served.
+
+        `head` (key, tokens) names a prefix every prompt with that key starts with (the chat
+        template and system prompt). The head is remembered whole; past it, a prompt is remembered
+        up to its first new block: a later prompt matches a block only if it matches every block
+        before it, and past that point comes this row's own text. Once a head is remembered its
+        blocks are not hashed again."""
         bs = self.block_tokens
-        h = 0
-        hit, matching = 0, True
-        for start in range(0, len(ids) - bs + 1, bs):
+        boundary = head[1] // bs * bs if head else 0
+        h = hit = first = 0
+        state = self._heads.get(head[0]) if head else None
+        known = state is not None and state[2] == self._generation and state[0] <= len(ids) - 1
+        if known:
+            hit = first = state[0]
+            h = state[1]
+        for start in range(first, len(ids) - bs + 1, bs):
+            if head and start == boundary and not known and hit == boundary:
+                self._remember_head(head[0], start, h)
             h = hash((h, tuple(ids[start:start + bs])))
-            if matching and h in self._seen and start + bs <= len(ids) - 1:
-                hit += bs
-            else:
-                matching = False
-                self._seen.add(h)
+            if h in self._seen and start + bs <= len(ids) - 1 and hit == start:
+                hit += bs  # still matching from the start
+                continue
+            self._seen.add(h)
+            if hit and start >= boundary:
+                break
         if len(self._seen) > self.max_blocks:
             self._seen.clear()
+            self._heads.clear()
+            self._generation += 1
         return hit
+
+    def _remember_head(self, key: str, tokens: int, chain: int) -> None:
+        if len(self._heads) > 4096:
+            self._heads.clear()
+        self._heads[key] = (tokens, chain, self._generation)
 
 
 @dataclass
@@ -107,6 +130,7 @@ class PlanSummary:
     groups: list[GroupSummary]
     tokens_exact: bool  # False when counted without the model's tokenizer (chars / 4)
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    rows_without_prompt: int = 0  # rows whose user template fails on their values
 
     @property
     def rows(self) -> int:
@@ -124,33 +148,46 @@ class PlanSummary:
 
 
 def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder],
-                   block_tokens: int = DEFAULT_BLOCK_TOKENS, batch: int = 256) -> PlanSummary:
+                   block_tokens: int = DEFAULT_BLOCK_TOKENS, batch: int = 512) -> PlanSummary:
     """Count rows and prompt tokens per group over the whole input (one group record per prompt)."""
+    summary = PlanSummary([], tokens_exact=builder is not None, block_tokens=block_tokens)
     groups: dict[str, GroupSummary] = {}
-    pending: list[Document] = []
     bound = PrefixCacheBound(block_tokens)
-
-    def flush():
-        if builder is not None:
-            encoded = [builder.prompt_ids(d.system_prompt, builder.user_text(d)) for d in pending]
-        else:  # no tokenizer: about four characters a token, and no cache estimate
-            encoded = [[0] * ((len(d.system_prompt or "") + len(d.text)) // 4 + 8) for d in pending]
-        for doc, ids in zip(pending, encoded):
-            key = group_key(doc.system_prompt)
-            g = groups.get(key)
-            if g is None:
-                preview = (doc.system_prompt or "(no system prompt)").strip().replace("\n", " ")[:60]
-                prefix = builder.system_prefix_tokens(doc.system_prompt) if builder else len(doc.system_prompt or "") // 4
-                g = groups[key] = GroupSummary(key, preview, prefix_tokens=prefix)
-            g.rows += 1
-            g.prompt_tokens += len(ids)
-            if builder is not None:
-                g.cacheable_tokens += bound.add(ids)
-        pending.clear()
-
+    pending: list[Document] = []
     for doc in docs:
         pending.append(doc)
         if len(pending) >= batch:
-            flush()
-    flush()
-    return PlanSummary(list(groups.values()), tokens_exact=builder is not None, block_tokens=block_tokens)
+            _count(pending, builder, groups, bound, summary)
+            pending = []
+    _count(pending, builder, groups, bound, summary)
+    summary.groups = list(groups.values())
+    return summary
+
+
+def _count(docs: list[Document], builder: Optional[PromptBuilder], groups: dict[str, GroupSummary],
+           bound: PrefixCacheBound, summary: "PlanSummary") -> None:
+    """Tokenize a batch, a system prompt at a time (in parallel in the tokenizer), and count it."""
+    by_prompt: dict[Optional[str], list[Document]] = {}
+    for d in docs:
+        by_prompt.setdefault(d.system_prompt, []).append(d)
+    for system, rows in by_prompt.items():
+        key = group_key(system)
+        g = groups.get(key)
+        if g is None:
+            preview = (system or "(no system prompt)").strip().replace("\n", " ")[:60]
+            prefix = builder.system_prefix_tokens(system) if builder else len(system or "") // 4
+            g = groups[key] = GroupSummary(key, preview, prefix_tokens=prefix)
+        if builder is None:  # no tokenizer: about four characters a token, and no cache estimate
+            g.rows += len(rows)
+            g.prompt_tokens += sum((len(system or "") + len(d.text)) // 4 + 8 for d in rows)
+            continue
+        texts = []
+        for d in rows:
+            try:
+                texts.append(builder.user_text(d))
+            except (KeyError, ValueError, TypeError, IndexError, AttributeError):
+                summary.rows_without_prompt += 1  # a run stores such a row as failed
+        for ids in builder.prompt_ids_batch(system, texts):
+            g.rows += 1
+            g.prompt_tokens += len(ids)
+            g.cacheable_tokens += bound.add(ids, head=(key, builder.head_tokens(system)))

@@ -91,6 +91,11 @@ class PromptBuilder:
         ids, middle, tail = head
         return ids + self.encode(middle + user + tail)
 
+    def head_tokens(self, system: Optional[str]) -> int:
+        """Tokens every prompt with this system prompt starts with (0 until one was built)."""
+        head = self._heads.get(system)
+        return len(head[0]) if head else 0
+
     def prompt_ids_batch(self, system: Optional[str], users: list[str]) -> list[list[int]]:
         """prompt_ids for many user texts under one system prompt; the tokenizer runs them in parallel."""
         if not users:
@@ -105,7 +110,9 @@ class PromptBuilder:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.20) skips the offsets nobody reads: a third faster.
+        fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

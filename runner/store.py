@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sqlite3
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from sqlalchemy import MetaData, create_engine, event, func, literal, select, update
+from sqlalchemy import MetaData, create_engine, event, func, select, update
 from sqlalchemy.dialects.sqlite import insert
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -53,6 +54,11 @@ class Store:
         self.calibrations = meta.tables["calibrations"]
         self.fingerprints = meta.tables["fingerprints"]
         self.history = meta.tables["results_history"]
+        self._result_columns = [c.name for c in self.results.columns if c.name != "id"]
+        updated = ", ".join(f"{c} = excluded.{c}" for c in self._result_columns if c not in ("job_name", "row_id"))
+        self._upsert_sql = (f"INSERT INTO results ({', '.join(self._result_columns)}) "
+                            f"VALUES ({', '.join('?' * len(self._result_columns))}) "
+                            f"ON CONFLICT (job_name, row_id) DO UPDATE SET {updated}")
 
     def close(self) -> None:
         self.engine.dispose()
@@ -107,6 +113,26 @@ class Store:
         with self.engine.connect() as conn:
             return set(conn.execute(q).scalars())
 
+    def input_counts(self, job_name: str, ids_file: Path, fingerprint: str, ok_only: bool = False) -> tuple[int, int]:
+        """(rows of the input that are done, rows of the input stored but to run again), joined on
+        disk with the input's row ids (runner/row_ids.py): no set of a million ids in memory."""
+        done = "r.status = 'ok'" if ok_only else "(r.fingerprint = ? OR r.fingerprint IS NULL)"
+        join = "SELECT count(*) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id"
+        # A connection of its own: the ATTACH must not outlive this count in SQLAlchemy's pool.
+        con = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000)
+        try:
+            con.execute("ATTACH DATABASE ? AS scan", (str(ids_file),))
+            stored = con.execute(join, (job_name,)).fetchone()[0]
+            ok = con.execute(f"{join} WHERE {done}", (job_name,) if ok_only else (job_name, fingerprint)).fetchone()[0]
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: {exc}") from None
+        finally:
+            con.close()
+        return ok, stored - ok
+
+    def done_filter(self, job_name: str, fingerprint: str, ok_only: bool = False) -> "DoneFilter":
+        return DoneFilter(self.path, job_name, fingerprint, ok_only)
+
     def register_fingerprint(self, job_name: str, fingerprint: str, components: dict) -> None:
         stmt = insert(self.fingerprints).on_conflict_do_nothing()
         with self._tx() as conn:
@@ -147,29 +173,31 @@ class Store:
         replaces a stored one (a changed job, --retry-failed) moves the old one to results_history."""
         if not rows and not samples:
             return
-        stmt = insert(self.results)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["job_name", "row_id"],
-            set_={c.name: stmt.excluded[c.name] for c in self.results.columns if c.name not in ("id", "job_name", "row_id")},
-        )
         now = utc_now()
+        cols = self._result_columns
         with self._tx() as conn:
             if rows:
                 self._archive(conn, rows, now)
-                conn.execute(stmt, [dict(r, created_at_utc=now) for r in rows])
+                # The driver's executemany with one SQL string: SQLAlchemy's per-row parameter
+                # processing cost more than SQLite's insert (runner/bench/scale.py).
+                conn.exec_driver_sql(self._upsert_sql, [tuple(now if c == "created_at_utc" else r.get(c) for c in cols)
+                                                        for r in rows])
             if samples:
                 conn.execute(insert(self.run_samples).on_conflict_do_nothing(), samples)
 
     def _archive(self, conn, rows: list[dict[str, Any]], now: str) -> None:
-        r, h = self.results.c, self.history
-        kept = [c.name for c in self.results.columns if c.name != "id"]
+        """Copy the stored rows these will replace into results_history (none, on a first run)."""
+        kept = ", ".join(self._result_columns)
         by_job: dict[str, list[str]] = {}
         for row in rows:
             by_job.setdefault(row["job_name"], []).append(row["row_id"])
         for job, ids in by_job.items():
-            old = select(r.id, *[r[c] for c in kept], literal(now), literal(rows[0]["run_id"])) \
-                .where(r.job_name == job, r.row_id.in_(ids))
-            conn.execute(h.insert().from_select(["result_id", *kept, "replaced_at_utc", "replaced_by_run_id"], old))
+            for start in range(0, len(ids), DoneFilter.BATCH):
+                part = ids[start:start + DoneFilter.BATCH]
+                conn.exec_driver_sql(
+                    f"INSERT INTO results_history (result_id, {kept}, replaced_at_utc, replaced_by_run_id) "
+                    f"SELECT id, {kept}, ?, ? FROM results WHERE job_name = ? AND row_id IN ({', '.join('?' * len(part))})",
+                    (now, rows[0]["run_id"], job, *part))
 
     def delete_results(self, job_name: str) -> int:
         with self._tx() as conn:
@@ -230,6 +258,38 @@ class Store:
 
     def _tx(self) -> "_Tx":
         return _Tx(self.engine, self.path)
+
+
+class DoneFilter:
+    """Which of a batch of row ids a run skips (see Store.done_row_ids), asked of the database a
+    batch at a time on a read-only connection of its own: it runs in the input-reading thread, and
+    a million done ids never sit in memory."""
+
+    BATCH = 900  # under SQLite's smallest limit on bound parameters
+
+    def __init__(self, path: Path, job_name: str, fingerprint: str, ok_only: bool):
+        self.path, self.job_name, self.fingerprint = path, job_name, fingerprint
+        self.cond = "status = 'ok'" if ok_only else "(fingerprint = ? OR fingerprint IS NULL)"
+        self.ok_only = ok_only
+        self._con: Optional[sqlite3.Connection] = None
+
+    def __call__(self, ids: list[str]) -> set[str]:
+        if self._con is None:
+            self._con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000,
+                                        check_same_thread=False)
+        out: set[str] = set()
+        for start in range(0, len(ids), self.BATCH):
+            part = ids[start:start + self.BATCH]
+            args = [self.job_name, *part] + ([] if self.ok_only else [self.fingerprint])
+            out.update(r[0] for r in self._con.execute(
+                f"SELECT row_id FROM results WHERE job_name = ? AND row_id IN ({','.join('?' * len(part))}) "
+                f"AND {self.cond}", args))
+        return out
+
+    def close(self) -> None:
+        if self._con is not None:
+            self._con.close()
+            self._con = None
 
 
 class _Tx:

@@ -58,7 +58,15 @@ def kill_when(proc: subprocess.Popen, db: Path, at_least: int, timeout_s: float 
 
 @pytest.fixture
 def fake_env():
-    return dict(os.environ, RUNNER_FAKE_DELAY_S="0.02")
+    return dict(os.environ, RUNNER_FAKE_DELAY_S="0.01")
+
+
+def wait_for(condition, what: str, timeout_s: float = 60) -> None:
+    """Poll until condition() holds; fail (not hang) after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def test_sigkill_at_random_points_then_rerun_stores_each_row_exactly_once(make_job, tmp_path, fake_env):
@@ -82,7 +90,7 @@ def test_sigkill_at_random_points_then_rerun_stores_each_row_exactly_once(make_j
         assert proc.returncode == -signal.SIGKILL, "the run finished before the kill point"
     partial = stored(db)
     assert 0 < len(partial) < ROWS
-    done = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env, timeout=120)
+    done = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), timeout=120)
     assert done.returncode == 0
     final = stored(db)
     assert sorted(final) == [f"r{i:03d}" for i in range(ROWS)]
@@ -99,9 +107,8 @@ def test_second_run_exits_at_once_while_one_holds_the_lock(make_job, tmp_path, f
     first = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job),
                              env=dict(fake_env, RUNNER_FAKE_DELAY_S="0.05"))
     try:
-        while count(db) < 2:
-            assert first.poll() is None
-            time.sleep(0.01)
+        wait_for(lambda: count(db) >= 2 or first.poll() is not None, "the first run's rows")
+        assert first.poll() is None
         t0 = time.monotonic()
         second = subprocess.run(runner_cmd("run", "--engine", "fake", job), env=fake_env, capture_output=True,
                                 text=True, timeout=60)
@@ -111,7 +118,7 @@ def test_second_run_exits_at_once_while_one_holds_the_lock(make_job, tmp_path, f
         # SIGKILL the holder: the kernel drops its flock, so the next run gets in.
         first.send_signal(signal.SIGKILL)
         first.wait()
-        third = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env, timeout=120)
+        third = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), timeout=120)
         assert third.returncode == 0
         assert len(stored(db)) == ROWS
     finally:
@@ -123,9 +130,8 @@ def test_wait_waits_for_the_running_job(make_job, tmp_path, fake_env):
     job = make_job(rows=20)
     db = tmp_path / "out" / "results.sqlite"
     first = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job),
-                             env=dict(fake_env, RUNNER_FAKE_DELAY_S="0.05"))
-    while count(db) < 2:
-        time.sleep(0.01)
+                             env=dict(fake_env, RUNNER_FAKE_DELAY_S="0.03"))
+    wait_for(lambda: count(db) >= 2 or first.poll() is not None, "the first run's rows")
     second = subprocess.run(runner_cmd("run", "--wait", "--engine", "fake", job), env=fake_env,
                             capture_output=True, text=True, timeout=120)
     assert first.wait() == 0
@@ -139,17 +145,18 @@ def test_sigterm_stores_finished_rows_and_marks_the_run_interrupted(make_job, tm
     db = tmp_path / "out" / "results.sqlite"
     proc = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while True:  # wait until the run is generating (its run row exists)
+    def generating() -> bool:  # the run row exists
         try:
             con = sqlite3.connect(db, timeout=30)
-            if con.execute("SELECT count(*) FROM runs").fetchone()[0]:
-                break
+            try:
+                return con.execute("SELECT count(*) FROM runs").fetchone()[0] > 0
+            finally:
+                con.close()
         except sqlite3.OperationalError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.3)
+            return False
+
+    wait_for(generating, "the run to start")
+    time.sleep(0.15)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Error: stopped by signal SIGTERM" in err

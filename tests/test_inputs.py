@@ -125,7 +125,10 @@ def test_dictionary_encoded_columns_and_binary_extras_are_text(tmp_path):
         "title": pa.array(["café".encode(), b"plain", None], pa.binary()),
     }), f)
     spec = SPEC.model_copy(update={"extra_columns": ["title"]})
-    assert scan_input(str(f), spec).ids == {"a", "b", "c"}
+    scan = scan_input(str(f), spec, keep_ids=True)
+    assert set(scan.ids) == {"a", "b", "c"} and "b" in scan.ids and "z" not in scan.ids
+    scan.ids.close()
+    assert not scan.ids.path.exists()
     rows = list(iter_documents(str(f), spec, None))
     assert [r.row_id for r in rows] == ["a", "b", "c"] and rows[0].system_prompt == "s"
     assert [r.fields["title"] for r in rows] == ["café", "plain", ""]  # not "b'caf\\xc3\\xa9'"

@@ -90,3 +90,40 @@ def test_fast_prompt_ids_equal_full_encoding(model_dir):
         for sys_prompt in (system, None, "x"):
             assert b.prompt_ids(sys_prompt, user) == b.encode(b.render(sys_prompt, user)), (sys_prompt, user)
         assert b.prompt_ids_batch(sys_prompt, users) == [b.encode(b.render(sys_prompt, u)) for u in users]
+
+
+def reference_bound(prompts, bs):
+    """The rule without any memory limit: every block of every prompt remembered."""
+    seen, total = set(), 0
+    for ids in prompts:
+        h, hit, matching = 0, 0, True
+        for start in range(0, len(ids) - bs + 1, bs):
+            h = hash((h, tuple(ids[start:start + bs])))
+            if matching and h in seen and start + bs <= len(ids) - 1:
+                hit += bs
+            else:
+                matching = False
+                seen.add(h)
+        total += hit
+    return total
+
+
+def test_bounded_bound_equals_the_unbounded_rule_with_shared_preambles():
+    """Heads (system prompts) that share a long preamble, in interleaved order, bodies of their own."""
+    import random
+
+    rng = random.Random(3)
+    preamble = [rng.randrange(1000) for _ in range(90)]
+    heads = {k: preamble + [rng.randrange(1000) for _ in range(rng.randrange(10, 60))] for k in "abcd"}
+    prompts, keyed = [], []
+    for _ in range(400):
+        k = rng.choice("abcd")
+        ids = heads[k] + [rng.randrange(1000, 9000) for _ in range(rng.randrange(5, 70))]
+        prompts.append(ids)
+        keyed.append((ids, (k, len(heads[k]))))
+    for bs in (4, 16):
+        b = PrefixCacheBound(block_tokens=bs)
+        assert sum(b.add(ids, head) for ids, head in keyed) == reference_bound(prompts, bs)
+        small = PrefixCacheBound(block_tokens=bs, max_blocks=50)  # forgetting: never above the rule
+        assert 0 < sum(small.add(ids, head) for ids, head in keyed) <= reference_bound(prompts, bs)
+        assert len(b._seen) < sum(len(p) for p in prompts) // bs // 4  # not every block of every row

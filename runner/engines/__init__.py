@@ -39,7 +39,7 @@ def build_engine(job, kind: str = "vllm") -> Engine:
 
         # RUNNER_FAKE_DELAY_S slows the fake engine down so that tests can kill a run midway.
         delay = float(os.environ.get("RUNNER_FAKE_DELAY_S", "0"))
-        return FakeEngine(job.output_schema, block_tokens=job.block_tokens, delay_s=delay)
+        return FakeEngine(job.output_schema, block_tokens=job.block_tokens, delay_s=delay, record=False)
     if job.spec.executor == "ray":
         from runner.ray_executor import RayEngine
 

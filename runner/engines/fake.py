@@ -50,7 +50,7 @@ def example_for_schema(schema: dict, seed: str = "", root: Optional[dict] = None
 class FakeEngine:
     def __init__(self, schema: dict, respond: Optional[Callable[[Request], str]] = None,
                  delay_s: float = 0.0, finish_reason: Callable[[Request], str] = lambda r: "stop",
-                 block_tokens: int = BLOCK_TOKENS):
+                 block_tokens: int = BLOCK_TOKENS, record: bool = True):
         self.schema = schema
         self.respond = respond or (lambda r: json.dumps(example_for_schema(schema, r.row_id)))
         self.delay_s = delay_s
@@ -58,6 +58,7 @@ class FakeEngine:
         self.finish_reason = finish_reason
         self._totals = EngineCounters()
         self._prefixes: dict[str, list[int]] = {}
+        self.record = record  # keep every request for tests to inspect (off for the CLI: memory)
         self.seen: list[Request] = []
         self.batch: Optional[int] = None
         self.warmed: list[str] = []
@@ -65,18 +66,22 @@ class FakeEngine:
 
     def _cached(self, req: Request) -> int:
         first = self._prefixes.setdefault(req.group_key, req.prompt_token_ids)
-        if first is req.prompt_token_ids:
+        ids = req.prompt_token_ids
+        if first is ids:
             return 0
-        n = 0
-        for a, b in zip(first, req.prompt_token_ids):
-            if a != b:
-                break
-            n += 1
-        return min(n // self.block_tokens * self.block_tokens, len(req.prompt_token_ids) - 1)
+        lo, hi = 0, min(len(first), len(ids))  # the common prefix, by bisection on C-level slice compares
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if first[:mid] == ids[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return min(lo // self.block_tokens * self.block_tokens, len(ids) - 1)
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
         for req in requests:
-            self.seen.append(req)
+            if self.record:
+                self.seen.append(req)
             if self.delay_s:
                 time.sleep(self.delay_s)
             text = self.respond(req)
