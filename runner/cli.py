@@ -152,10 +152,11 @@ def validate(job):
     """
     from runner.inputs import scan_input
     from runner.models import is_model_dir
+    from runner.readers import LocalReader
     from runner.spec import load_job
 
     spec = load_job(job)
-    scan = scan_input(spec.input_path, spec.spec.input)
+    scan = scan_input(LocalReader(spec.input_path, spec.spec.input))
     model = "ready" if is_model_dir(spec.model_path, weights=spec.engine.needs_weights) else "MISSING (runner prepare-model)"
     say(f"OK: {job}")
     say(table([
@@ -181,19 +182,20 @@ def plan(job):
       runner plan jobs/summarize.yaml
     """
     from runner.errors import ModelError
-    from runner.inputs import iter_documents, scan_input
+    from runner.inputs import read_documents, scan_input
     from runner.plan import summarize_plan
     from runner.prompting import PromptBuilder
+    from runner.readers import LocalReader
     from runner.spec import load_job
 
     spec = load_job(job)
-    scan_input(spec.input_path, spec.spec.input)
+    reader = LocalReader(spec.input_path, spec.spec.input)
+    scan_input(reader)
     try:
         builder = PromptBuilder(spec.model_path, spec.spec.prompts.user_template)
     except ModelError:
         builder = None
-    docs = iter_documents(spec.input_path, spec.spec.input, spec.system_prompt)
-    p = summarize_plan(docs, builder, spec.block_tokens)
+    p = summarize_plan(read_documents(reader, spec.system_prompt), builder, spec.block_tokens)
     say(f"{'group':<12}  {'rows':>7}  {'prompt tok':>11}  {'system tok':>10}  {'cacheable':>9}  system prompt")
     for g in p.groups:
         share = g.cacheable_tokens / g.prompt_tokens if g.prompt_tokens else 0

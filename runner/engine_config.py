@@ -19,7 +19,7 @@ class SpeculativeSpec(BaseModel):
 
 
 class CalibrationSpec(Strict):
-    """How `speculative: auto` measures the job (see runner/calibrate.py)."""
+    """How `speculative: auto` measures the job (see runner/engines/calibrate.py)."""
 
     rows: int = Field(default=128, ge=1, description="rows in each measured slice")
     assumed_max_speedup: float = Field(default=2.0, gt=1, description=(

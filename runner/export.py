@@ -5,11 +5,10 @@ import json
 from pathlib import Path
 
 from runner.errors import StoreError
+from runner.rows import EXPORT_COLUMNS
 from runner.store import Store
 
 FORMATS = ("parquet", "csv", "jsonl")
-RESULT_COLUMNS = ["row_id", "group_key", "status", "error", "prompt_tokens", "completion_tokens",
-                  "cached_prompt_tokens", "finish_reason", "latency_ms", "attempts", "first_status", "extraction_json"]
 _SCALARS = {"string", "integer", "number", "boolean"}
 
 
@@ -34,12 +33,12 @@ def export_run(store: Store, run_id: int, fmt: str, out: Path) -> int:
         raise StoreError(f"{store.path}: no run {run_id}")
     schema = json.loads(run["config_json"]).get("output_schema", {})
     fields = flat_fields(schema)
-    cols: dict[str, list] = {c: [] for c in RESULT_COLUMNS}
+    cols: dict[str, list] = {c: [] for c in EXPORT_COLUMNS}
     cols.update({_col(f, scalar): [] for f, scalar in fields.items()})
     n = 0
     for r in store.results_of(run_id):
         n += 1
-        for c in RESULT_COLUMNS:
+        for c in EXPORT_COLUMNS:
             cols[c].append(r[c])
         value = json.loads(r["extraction_json"]) if r["extraction_json"] else {}
         for f, scalar in fields.items():

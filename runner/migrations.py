@@ -12,8 +12,7 @@ from sqlalchemy import Connection, text
 from runner.errors import StoreError
 
 
-def m001_initial(conn: Connection) -> None:
-    conn.exec_driver_sql("""
+_M001_RUNS = """
         CREATE TABLE runs (
             id INTEGER PRIMARY KEY,
             job_name TEXT NOT NULL,
@@ -29,9 +28,9 @@ def m001_initial(conn: Connection) -> None:
             engine_settings_json TEXT,
             host TEXT,
             pid INTEGER
-        )""")
-    conn.exec_driver_sql("CREATE INDEX runs_job ON runs (job_name, id)")
-    conn.exec_driver_sql("""
+        )"""
+_M001_RUNS_INDEX = "CREATE INDEX runs_job ON runs (job_name, id)"
+_M001_RESULTS = """
         CREATE TABLE results (
             id INTEGER PRIMARY KEY,
             run_id INTEGER NOT NULL REFERENCES runs (id),
@@ -53,9 +52,9 @@ def m001_initial(conn: Connection) -> None:
             created_at_utc TEXT NOT NULL,
             -- One stored result per input row of a job: resume and retried deliveries upsert.
             UNIQUE (job_name, row_id)
-        )""")
-    conn.exec_driver_sql("CREATE INDEX results_run ON results (run_id, status)")
-    conn.exec_driver_sql("""
+        )"""
+_M001_RESULTS_INDEX = "CREATE INDEX results_run ON results (run_id, status)"
+_M001_RUN_STATS = """
         CREATE TABLE run_stats (
             run_id INTEGER PRIMARY KEY REFERENCES runs (id),
             rows_total INTEGER NOT NULL,
@@ -84,7 +83,12 @@ def m001_initial(conn: Connection) -> None:
             spec_acceptance_rate REAL,
             preemptions INTEGER NOT NULL,
             created_at_utc TEXT NOT NULL
-        )""")
+        )"""
+
+
+def m001_initial(conn: Connection) -> None:
+    for statement in (_M001_RUNS, _M001_RUNS_INDEX, _M001_RESULTS, _M001_RESULTS_INDEX, _M001_RUN_STATS):
+        conn.exec_driver_sql(statement)
 
 
 def m002_engine_choice(conn: Connection) -> None:

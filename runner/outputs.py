@@ -10,19 +10,12 @@ from typing import Optional
 
 from runner.engines.base import Completion
 from runner.fast_schema import compile_schema
-
-# Final statuses; every one of them counts as done for resume.
-OK = "ok"
-TRUNCATED = "truncated"  # cut off at max_tokens
-INVALID_JSON = "invalid_json"
-SCHEMA_MISMATCH = "schema_mismatch"
-FAILED = "failed"  # never generated: too long for the model, or rejected by the engine
-STATUSES = (OK, TRUNCATED, INVALID_JSON, SCHEMA_MISMATCH, FAILED)
+from runner.rows import Status
 
 
 @dataclass
 class Checked:
-    status: str
+    status: Status
     extraction_json: Optional[str]
     error: Optional[str]
 
@@ -44,17 +37,25 @@ class OutputChecker:
 
     def check(self, c: Completion, max_tokens: int) -> Checked:
         if c.error is not None:
-            return Checked(FAILED, None, c.error)
+            return Checked(Status.FAILED, None, c.error)
         try:
             value = json.loads(c.text)
         except json.JSONDecodeError as exc:
             if c.finish_reason == "length":
-                return Checked(TRUNCATED, None, f"output cut off at max_tokens={max_tokens} ({c.completion_tokens} tokens)")
-            return Checked(INVALID_JSON, None, f"not valid JSON: {exc.msg} at char {exc.pos}")
+                return Checked(Status.TRUNCATED, None, f"output cut off at max_tokens={max_tokens} ({c.completion_tokens} tokens)")
+            return Checked(Status.INVALID_JSON, None, f"not valid JSON: {exc.msg} at char {exc.pos}")
         if self._fast is not None and self._fast(value):
-            return Checked(OK, json.dumps(value, ensure_ascii=False), None)
+            return Checked(Status.OK, json.dumps(value, ensure_ascii=False), None)
         problem = next(iter(sorted(self._validator.iter_errors(value), key=lambda e: list(e.absolute_path))), None)
         if problem is not None:
             where = "/".join(str(p) for p in problem.absolute_path) or "(root)"
-            return Checked(SCHEMA_MISMATCH, json.dumps(value, ensure_ascii=False), f"schema: at {where}: {problem.message}")
-        return Checked(OK, json.dumps(value, ensure_ascii=False), None)
+            return Checked(Status.SCHEMA_MISMATCH, json.dumps(value, ensure_ascii=False), f"schema: at {where}: {problem.message}")
+        return Checked(Status.OK, json.dumps(value, ensure_ascii=False), None)
+
+
+def retry_tokens(checked: Checked, attempt: int, max_tokens: int, retry_max_tokens: Optional[int]) -> Optional[int]:
+    """The retry policy: an output cut off or failing the schema gets one more attempt, with
+    sampling.retry_max_tokens (at least the first budget); None: store it as it is."""
+    if attempt > 1 or not retry_max_tokens or checked.status in (Status.OK, Status.FAILED):
+        return None
+    return max(retry_max_tokens, max_tokens)

@@ -105,6 +105,23 @@ class PromptBuilder:
         rest = self.encode_batch([middle + u + tail for u in users[1:]])
         return [first] + [ids + r for r in rest]
 
+    def fit(self, system: Optional[str], doc: Document, ids: list[int], max_model_len: int, max_tokens: int,
+            truncate: bool) -> tuple[list[int], Optional[str]]:
+        """The prompt-length rule: prompt tokens plus max_tokens must fit in max_model_len. With
+        `truncate`, the document's text is cut to fit (8 tokens of slack: the cut text can
+        re-tokenize a little longer); otherwise, or if cutting cannot make it fit, the reason."""
+        over = len(ids) + max_tokens - max_model_len
+        if over > 0 and truncate:
+            text_ids = self.encode(doc.text)
+            cut = Document(doc.row_id, self.decode(text_ids[: max(len(text_ids) - over - 8, 0)]), doc.system_prompt,
+                           doc.fields)
+            ids = self.prompt_ids(system, self.user_text(cut))
+            over = len(ids) + max_tokens - max_model_len
+        if over > 0:
+            return ids, (f"prompt is {len(ids)} tokens; with max_tokens={max_tokens} it exceeds "
+                         f"max_model_len={max_model_len} (set input.on_too_long: truncate to cut the document)")
+        return ids, None
+
     def encode(self, text: str) -> list[int]:
         # The template already wrote the special tokens; adding more would break prefix sharing.
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -6,13 +6,15 @@ import json
 from collections import defaultdict
 from statistics import mean
 
+from runner.engines import describe_settings
 from runner.errors import StoreError
+from runner.rows import Status
 from runner.store import Store
 
 SECTIONS = ("summary", "throughput", "prefix-cache", "status", "tokens", "slowest-groups")
 _W, _H, _PAD = 640, 220, 40
-_COLORS = {"ok": "#2e7d32", "truncated": "#f9a825", "invalid_json": "#ef6c00", "schema_mismatch": "#c62828",
-           "failed": "#6a1b9a"}
+_COLORS = {Status.OK: "#2e7d32", Status.TRUNCATED: "#f9a825", Status.INVALID_JSON: "#ef6c00",
+           Status.SCHEMA_MISMATCH: "#c62828", Status.FAILED: "#6a1b9a"}
 
 
 def _esc(v) -> str:
@@ -77,9 +79,7 @@ def render_report(store: Store, run_id: int) -> str:
         raise StoreError(f"{store.path}: no run {run_id}")
     stats = store.stats(run_id) or {}
     rows = list(store.results_of(run_id))
-    samples = store.samples(run_id)
-
-    by_status = defaultdict(int)
+    by_status: dict[str, int] = defaultdict(int)
     groups: dict[str, dict] = defaultdict(lambda: {"rows": 0, "prompt": 0, "cached": 0, "latency": []})
     for r in rows:
         by_status[r["status"]] += 1
@@ -88,49 +88,56 @@ def render_report(store: Store, run_id: int) -> str:
         g["prompt"] += r["prompt_tokens"]
         g["cached"] += r["cached_prompt_tokens"]
         g["latency"].append(r["latency_ms"])
+    body = [_summary(run, stats, len(rows)), _throughput(store.samples(run_id)), _groups(groups, by_status),
+            f'<section id="tokens"><h2>Token counts</h2><h3>Prompt tokens per row</h3>'
+            f'{histogram([r["prompt_tokens"] for r in rows])}'
+            f'<h3>Completion tokens per row</h3>{histogram([r["completion_tokens"] for r in rows])}</section>']
+    style = ("body{font-family:sans-serif;margin:2em;max-width:760px}th{text-align:left;padding-right:1em}"
+             "section{margin-bottom:2em}td{padding-right:1em}")
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>runner report: run {run_id}</title>"
+            f"<style>{style}</style></head><body><h1>Run {run_id}: {_esc(run['job_name'])}</h1>{''.join(body)}</body></html>")
 
-    # Throughput: documents/s between consecutive samples.
-    xs, ys = [], []
-    for a, b in zip(samples, samples[1:]):
-        dt = b["elapsed_s"] - a["elapsed_s"]
-        if dt > 0:
-            xs.append(b["elapsed_s"])
-            ys.append((b["rows_done"] - a["rows_done"]) / dt)
 
-    group_keys = sorted(groups, key=lambda k: -groups[k]["rows"])
-    hit = [groups[k]["cached"] / groups[k]["prompt"] if groups[k]["prompt"] else 0 for k in group_keys]
-    slow = sorted(group_keys, key=lambda k: -mean(groups[k]["latency"]))[:10]
+def _summary(run: dict, stats: dict, rows: int) -> str:
     settings = json.loads(run["engine_settings_json"] or "{}")
     summary = [
         ("job", run["job_name"]), ("status", run["status"]), ("started (UTC)", run["started_at_utc"]),
-        ("ended (UTC)", run["ended_at_utc"] or "-"), ("rows", len(rows)),
+        ("ended (UTC)", run["ended_at_utc"] or "-"), ("rows", rows),
         ("documents/s", f"{stats.get('documents_per_s', 0):.2f}" if stats else "-"),
         ("output tok/s", f"{stats.get('output_tokens_per_s', 0):.1f}" if stats else "-"),
         ("prefix-cache hit rate", f"{_pct(stats.get('prefix_cache_hit_rate'))} (plan bound {_pct(stats.get('plan_prefix_share'))})"),
         ("speculative acceptance", _pct(stats.get("spec_acceptance_rate"))),
         ("wall / generation s", f"{stats.get('wall_s', 0):.1f} / {stats.get('generation_s', 0):.1f}" if stats else "-"),
         ("engine", f"{run['engine_backend'] or '-'} {run['engine_version'] or ''}"),
-        ("max_num_seqs", settings.get("max_num_seqs", "-")),
-        ("speculation", json.dumps(settings.get("speculative_config")) if settings.get("speculative_config") else "off"),
+        *describe_settings(run["engine_backend"], settings),
     ]
+    return ('<section id="summary"><h2>Summary</h2><table>'
+            + "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in summary) + "</table></section>")
+
+
+def _throughput(samples: list[dict]) -> str:
+    """Documents/s between consecutive samples."""
+    xs, ys = [], []
+    for a, b in zip(samples, samples[1:]):
+        dt = b["elapsed_s"] - a["elapsed_s"]
+        if dt > 0:
+            xs.append(b["elapsed_s"])
+            ys.append((b["rows_done"] - a["rows_done"]) / dt)
+    return f'<section id="throughput"><h2>Throughput over time</h2>{line_chart(xs, ys, "seconds since start", "documents/s")}</section>'
+
+
+def _groups(groups: dict[str, dict], by_status: dict[str, int]) -> str:
+    """Prefix-cache hits by group, rows by status, the slowest groups."""
+    keys = sorted(groups, key=lambda k: -groups[k]["rows"])
+    hit = [groups[k]["cached"] / groups[k]["prompt"] if groups[k]["prompt"] else 0 for k in keys]
+    slow = sorted(keys, key=lambda k: -mean(groups[k]["latency"]))[:10]
     slow_rows = "".join(
         f"<tr><td>{_esc(k)}</td><td>{groups[k]['rows']}</td><td>{mean(groups[k]['latency']):.0f}</td>"
         f"<td>{max(groups[k]['latency']):.0f}</td></tr>" for k in slow)
     statuses = sorted(by_status, key=lambda s: -by_status[s])
-    body = [
-        '<section id="summary"><h2>Summary</h2><table>'
-        + "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in summary) + "</table></section>",
-        f'<section id="throughput"><h2>Throughput over time</h2>{line_chart(xs, ys, "seconds since start", "documents/s")}</section>',
-        f'<section id="prefix-cache"><h2>Prefix-cache hit rate by group</h2>'
-        f'{bar_chart(group_keys, hit, fmt=lambda v: f"{100 * v:.1f}%")}</section>',
-        f'<section id="status"><h2>Rows by status</h2>'
-        f'{bar_chart(statuses, [by_status[s] for s in statuses], fmt=lambda v: f"{v:.0f}", colors=[_COLORS.get(s, "#555") for s in statuses])}</section>',
-        f'<section id="tokens"><h2>Token counts</h2><h3>Prompt tokens per row</h3>{histogram([r["prompt_tokens"] for r in rows])}'
-        f'<h3>Completion tokens per row</h3>{histogram([r["completion_tokens"] for r in rows])}</section>',
-        f'<section id="slowest-groups"><h2>Slowest groups</h2><table><tr><th>group</th><th>rows</th>'
-        f'<th>mean latency ms</th><th>max latency ms</th></tr>{slow_rows}</table></section>',
-    ]
-    style = ("body{font-family:sans-serif;margin:2em;max-width:760px}th{text-align:left;padding-right:1em}"
-             "section{margin-bottom:2em}td{padding-right:1em}")
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>runner report: run {run_id}</title>"
-            f"<style>{style}</style></head><body><h1>Run {run_id}: {_esc(run['job_name'])}</h1>{''.join(body)}</body></html>")
+    return (f'<section id="prefix-cache"><h2>Prefix-cache hit rate by group</h2>'
+            f'{bar_chart(keys, hit, fmt=lambda v: f"{100 * v:.1f}%")}</section>'
+            f'<section id="status"><h2>Rows by status</h2>'
+            f'{bar_chart(statuses, [by_status[s] for s in statuses], fmt=lambda v: f"{v:.0f}", colors=[_COLORS.get(s, "#555") for s in statuses])}</section>'
+            f'<section id="slowest-groups"><h2>Slowest groups</h2><table><tr><th>group</th><th>rows</th>'
+            f'<th>mean latency ms</th><th>max latency ms</th></tr>{slow_rows}</table></section>')

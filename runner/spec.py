@@ -28,6 +28,17 @@ class InputSpec(Strict):
     batch_rows: int = Field(default=1024, ge=1, description="rows per Parquet record batch read")
     on_too_long: Literal["fail", "truncate"] = "fail"
 
+    def columns(self) -> list[tuple[str, str]]:
+        """(column, the job field that names it) of every column a run reads: the one list."""
+        cols = [(self.id_column, "input.id_column"), (self.text_column, "input.text_column")]
+        if self.system_prompt_column:
+            cols.append((self.system_prompt_column, "input.system_prompt_column"))
+        named = {c for c, _ in cols}
+        return cols + [(c, "input.extra_columns") for c in self.extra_columns if c not in named]
+
+    def column_names(self) -> list[str]:
+        return [c for c, _ in self.columns()]
+
 
 class PromptSpec(Strict):
     system: Optional[str] = None

@@ -20,8 +20,12 @@ from sqlalchemy.exc import SQLAlchemyError
 from runner import __version__
 from runner.errors import StoreError
 from runner.migrations import migrate, utc_now
+from runner.rows import RESULT_COLUMNS, ResultRow, StatsRow
 
 BUSY_TIMEOUT_MS = 30_000
+_UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
+                   f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
+                   + ", ".join(f"{c} = excluded.{c}" for c in RESULT_COLUMNS if c not in ("job_name", "row_id")))
 
 
 class Store:
@@ -54,11 +58,6 @@ class Store:
         self.calibrations = meta.tables["calibrations"]
         self.fingerprints = meta.tables["fingerprints"]
         self.history = meta.tables["results_history"]
-        self._result_columns = [c.name for c in self.results.columns if c.name != "id"]
-        updated = ", ".join(f"{c} = excluded.{c}" for c in self._result_columns if c not in ("job_name", "row_id"))
-        self._upsert_sql = (f"INSERT INTO results ({', '.join(self._result_columns)}) "
-                            f"VALUES ({', '.join('?' * len(self._result_columns))}) "
-                            f"ON CONFLICT (job_name, row_id) DO UPDATE SET {updated}")
 
     def close(self) -> None:
         self.engine.dispose()
@@ -85,11 +84,11 @@ class Store:
                 engine_backend=backend, engine_version=version,
                 engine_settings_json=json.dumps(settings, sort_keys=True, default=str)))
 
-    def finish_run(self, run_id: int, status: str, stats: Optional[dict] = None, error: Optional[str] = None) -> None:
+    def finish_run(self, run_id: int, status: str, stats: Optional[StatsRow] = None, error: Optional[str] = None) -> None:
         """Close a run; its stats row is written in the same transaction."""
         with self._tx() as conn:
             if stats is not None:
-                conn.execute(self.run_stats.insert().values(run_id=run_id, created_at_utc=utc_now(), **stats))
+                conn.execute(self.run_stats.insert().values(run_id=run_id, created_at_utc=utc_now(), **stats.as_dict()))
             conn.execute(update(self.runs).where(self.runs.c.id == run_id).values(
                 status=status, ended_at_utc=utc_now(), error=error))
 
@@ -168,36 +167,34 @@ class Store:
         with self.engine.connect() as conn:
             return {s: n for s, n in conn.execute(q)}
 
-    def write_results(self, rows: list[dict[str, Any]], samples: Optional[list[dict[str, Any]]] = None) -> None:
+    def write_results(self, rows: list[ResultRow], samples: Optional[list[dict[str, Any]]] = None) -> None:
         """Upsert a batch of result rows, and any throughput samples, in one transaction. A row that
         replaces a stored one (a changed job, --retry-failed) moves the old one to results_history."""
         if not rows and not samples:
             return
         now = utc_now()
-        cols = self._result_columns
         with self._tx() as conn:
             if rows:
                 self._archive(conn, rows, now)
                 # The driver's executemany with one SQL string: SQLAlchemy's per-row parameter
-                # processing cost more than SQLite's insert (runner/bench/scale.py).
-                conn.exec_driver_sql(self._upsert_sql, [tuple(now if c == "created_at_utc" else r.get(c) for c in cols)
-                                                        for r in rows])
+                # processing cost more than SQLite's insert (bench/scale.py).
+                conn.exec_driver_sql(_UPSERT_RESULTS, [r.values(now) for r in rows])
             if samples:
                 conn.execute(insert(self.run_samples).on_conflict_do_nothing(), samples)
 
-    def _archive(self, conn, rows: list[dict[str, Any]], now: str) -> None:
+    def _archive(self, conn, rows: list[ResultRow], now: str) -> None:
         """Copy the stored rows these will replace into results_history (none, on a first run)."""
-        kept = ", ".join(self._result_columns)
+        kept = ", ".join(RESULT_COLUMNS)
         by_job: dict[str, list[str]] = {}
         for row in rows:
-            by_job.setdefault(row["job_name"], []).append(row["row_id"])
+            by_job.setdefault(row.job_name, []).append(row.row_id)
         for job, ids in by_job.items():
             for start in range(0, len(ids), DoneFilter.BATCH):
                 part = ids[start:start + DoneFilter.BATCH]
                 conn.exec_driver_sql(
                     f"INSERT INTO results_history (result_id, {kept}, replaced_at_utc, replaced_by_run_id) "
                     f"SELECT id, {kept}, ?, ? FROM results WHERE job_name = ? AND row_id IN ({', '.join('?' * len(part))})",
-                    (now, rows[0]["run_id"], job, *part))
+                    (now, rows[0].run_id, job, *part))
 
     def delete_results(self, job_name: str) -> int:
         with self._tx() as conn:

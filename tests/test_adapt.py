@@ -8,7 +8,8 @@ import sqlite3
 
 import pytest
 
-from runner.calibrate import Phase, choose, predict, speculative_config
+from runner.engines.calibrate import choose, predict, speculative_config
+from runner.engines.sequence import Phase
 from runner.engines.admission import KvBudget
 from runner.engines.base import EngineCounters, Request
 from runner.engines.fake import FakeEngine

@@ -156,7 +156,7 @@ def test_sigterm_stores_finished_rows_and_marks_the_run_interrupted(make_job, tm
             return False
 
     wait_for(generating, "the run to start")
-    time.sleep(0.15)
+    time.sleep(0.4)  # some rows finish (60 take 0.6 s at this delay); none are committed yet
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Error: stopped by signal SIGTERM" in err

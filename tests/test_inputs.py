@@ -6,17 +6,26 @@ import pyarrow.parquet as pq
 import pytest
 
 from runner.errors import InputError
-from runner.inputs import _batches, input_files, iter_documents, scan_input
+from runner.inputs import read_documents, scan_input as _scan_input
+from runner.readers import LocalReader, input_files
 from runner.spec import InputSpec
 from tests.conftest import write_docs
 
 SPEC = InputSpec(path="x", id_column="id", text_column="text", system_prompt_column="system_prompt")
 
 
+def scan_input(path, spec, **kw):
+    return _scan_input(LocalReader(str(path), spec), **kw)
+
+
+def iter_documents(path, spec, system_prompt):
+    return read_documents(LocalReader(str(path), spec), system_prompt)
+
+
 def test_streams_in_record_batches_of_the_configured_size(tmp_path):
     f = write_docs(tmp_path / "d.parquet", 23)
     spec = SPEC.model_copy(update={"batch_rows": 4})
-    sizes = [b.num_rows for _, b in _batches([str(f)], spec, ["id", "text"])]
+    sizes = [b.num_rows for _, b in LocalReader(str(f), spec).batches(["id", "text"])]
     assert max(sizes) <= 4 and sum(sizes) == 23
     it = iter_documents(str(f), spec, None)
     first = next(it)  # lazily: the first row comes before the rest are read
@@ -132,3 +141,15 @@ def test_dictionary_encoded_columns_and_binary_extras_are_text(tmp_path):
     rows = list(iter_documents(str(f), spec, None))
     assert [r.row_id for r in rows] == ["a", "b", "c"] and rows[0].system_prompt == "s"
     assert [r.fields["title"] for r in rows] == ["café", "plain", ""]  # not "b'caf\\xc3\\xa9'"
+
+
+def test_hive_partition_folders_become_columns(tmp_path):
+    write_docs(tmp_path / "in" / "desk=sports" / "part-0.parquet", 3)
+    (tmp_path / "in" / "desk=weather").mkdir()
+    pq.write_table(pa.table({"id": ["z1"], "text": ["t"], "system_prompt": ["s"]}),
+                   tmp_path / "in" / "desk=weather" / "part-0.parquet")
+    spec = SPEC.model_copy(update={"extra_columns": ["desk"]})
+    rows = list(iter_documents(str(tmp_path / "in"), spec, None))
+    assert [(r.row_id, r.fields["desk"]) for r in rows] == [("r000", "sports"), ("r001", "sports"),
+                                                             ("r002", "sports"), ("z1", "weather")]
+    assert scan_input(str(tmp_path / "in"), spec).rows == 4

@@ -1,6 +1,6 @@
-"""The ray executor: group routing (pure), and a real local Ray cluster with one real vLLM replica
-whose results equal the local executor's. Every Ray run has a hard timeout: Ray can hang silently
-on a small machine (see ../shared/ray/README.md)."""
+"""The ray executor: group routing, replicas of the fake engine on an in-process cluster (routing,
+resume), and a real local Ray cluster with one real vLLM replica whose results equal the local
+executor's. Every real Ray run has a hard timeout: Ray can hang silently on a small machine."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,11 @@ import subprocess
 import pytest
 import yaml
 
-from runner.ray_executor import GroupRouter
+from runner.engines.fake import FakeEngine
+from runner.engines.ray import GroupRouter, LocalCluster, RayEngine
+from runner.run import run_job
+from runner.spec import load_job
+from tests.conftest import SCHEMA
 from tests.test_crash_safety import runner_cmd
 
 
@@ -28,6 +32,48 @@ def test_router_keeps_groups_together_and_balances_new_ones():
 def test_router_never_splits_a_chunk_round_robin():
     r = GroupRouter(replicas=4, chunk_rows=100)
     assert {r.assign("G") for _ in range(50)} == {0}
+
+
+class Replicas:
+    """Fake-engine replicas on the in-process cluster, remembering which rows each one ran."""
+
+    def __init__(self):
+        self.engines: list[FakeEngine] = []
+
+    def factory(self, job):
+        e = FakeEngine(SCHEMA)
+        self.engines.append(e)
+        return e
+
+    def engine(self, job):
+        return RayEngine(job, self.factory, cluster=LocalCluster())
+
+
+def test_replicas_each_get_whole_groups_and_every_row_once(make_job, tmp_path):
+    job = load_job(make_job(rows=24, job={"ray": {"replicas": 2, "group_chunk_rows": 100}}))
+    replicas = Replicas()
+    s = run_job(job, engine_factory=replicas.engine)
+    assert s.stats["rows_total"] == 24 and s.counts["ok"] == 24
+    ran = [[r.row_id for r in e.seen] for e in replicas.engines]
+    assert sorted(sum(ran, [])) == [f"r{i:03d}" for i in range(24)] and all(ran)  # both worked, no row twice
+    groups = [{r.group_key for r in e.seen} for e in replicas.engines]
+    assert groups[0].isdisjoint(groups[1])  # a group's rows stay on one replica (its prefix cache)
+    assert s.stats["prefix_cache_hits"] > 0  # counters come back from every replica
+
+
+def test_resume_through_replicas_runs_only_what_is_missing(make_job, tmp_path):
+    path = make_job(rows=12, job={"ray": {"replicas": 2}})
+    run_job(load_job(path), engine_factory=Replicas().engine)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tests.conftest import write_docs
+
+    docs = write_docs(tmp_path / "data" / "docs.parquet", 16)  # 4 new rows
+    assert pq.read_table(docs).num_rows == 16 and pa
+    replicas = Replicas()
+    s = run_job(load_job(path), engine_factory=replicas.engine)
+    assert s.rows_skipped == 12 and s.stats["rows_total"] == 4
+    assert sorted(r.row_id for e in replicas.engines for r in e.seen) == [f"r{i:03d}" for i in range(12, 16)]
 
 
 def run_bounded(args, timeout_s=600):

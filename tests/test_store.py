@@ -7,14 +7,15 @@ import pytest
 
 from runner.errors import StoreError
 from runner.migrations import MIGRATIONS
+from runner.rows import ResultRow, StatsRow
 from runner.store import Store
 
 
 def row(run_id, row_id, status="ok", **kw):
-    return dict(run_id=run_id, job_name="j", row_id=row_id, group_key="g", status=status,
-                extraction_json='{"a": 1}', output_text='{"a": 1}', error=None, prompt_tokens=10,
-                completion_tokens=5, cached_prompt_tokens=0, finish_reason="stop", latency_ms=1.5,
-                preemptions=0, attempts=1, first_status=None) | kw
+    return ResultRow(**dict(run_id=run_id, job_name="j", row_id=row_id, group_key="g", status=status,
+                            extraction_json='{"a": 1}', output_text='{"a": 1}', error=None, prompt_tokens=10,
+                            completion_tokens=5, cached_prompt_tokens=0, finish_reason="stop", latency_ms=1.5,
+                            preemptions=0, attempts=1, first_status=None, fingerprint="f1") | kw)
 
 
 def test_migrations_run_once_and_are_recorded(tmp_path):
@@ -62,14 +63,14 @@ def test_unique_key_is_in_the_database_not_only_in_code(tmp_path):
 
 def test_run_lifecycle_and_stats(tmp_path):
     from runner.engines.base import EngineCounters
-    from runner.stats import build_stats
 
     s = Store(tmp_path / "r.sqlite")
     run = s.begin_run("j", "/j.yaml", {"x": 1})
     s.set_engine(run, "fake", "0", {"max_num_seqs": 4})
     counts = {"ok": 3, "truncated": 1, "invalid_json": 0, "schema_mismatch": 0, "failed": 0}
     used = EngineCounters(prefix_cache_queries=100, prefix_cache_hits=60, spec_draft_tokens=10, spec_accepted_tokens=7)
-    stats = build_stats(counts, {"prompt": 100, "completion": 40, "cached": 60}, used, 10.0, 2.0, 8.0, 0.7, 5)
+    stats = StatsRow.build(counts, {"prompt": 100, "completion": 40, "cached": 60}, used, wall_s=10.0, load_s=2.0,
+                           gen_s=8.0, plan_share=0.7, skipped=5, redone=0)
     s.finish_run(run, "completed", stats=stats)
     r = s.run(run)
     assert r["status"] == "completed" and r["ended_at_utc"] and r["engine_backend"] == "fake"
@@ -93,3 +94,38 @@ def test_unopenable_database_is_a_store_error(tmp_path):
     (tmp_path / "junk.sqlite").write_bytes(b"this is not a database" * 100)
     with pytest.raises(StoreError, match="junk.sqlite"):
         Store(tmp_path / "junk.sqlite")
+
+
+def test_a_database_of_the_first_schema_is_upgraded_and_its_rows_kept(make_job, tmp_path):
+    """A results file written by the first release (only m001) opens with every later migration
+    applied in one go; its rows stay, count as done (no fingerprint: made before fingerprints)."""
+    from sqlalchemy import create_engine
+
+    from runner.migrations import utc_now
+    from runner.run import run_job
+    from runner.spec import load_job
+    from runner.engines.fake import FakeEngine
+    from tests.conftest import SCHEMA
+
+    job = load_job(make_job(rows=3))
+    job.database_path.parent.mkdir(parents=True)
+    old = create_engine(f"sqlite:///{job.database_path}")
+    with old.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE _migrations (name TEXT PRIMARY KEY, applied_at_utc TEXT NOT NULL)")
+        MIGRATIONS[0](conn)
+        conn.exec_driver_sql("INSERT INTO _migrations VALUES ('m001_initial', ?)", (utc_now(),))
+        conn.exec_driver_sql("INSERT INTO runs (job_name, job_path, config_json, status, started_at_utc, runner_version)"
+                             " VALUES ('t', 'j.yaml', '{}', 'completed', ?, '0.1.0')", (utc_now(),))
+        conn.exec_driver_sql(
+            "INSERT INTO results (run_id, job_name, row_id, group_key, status, extraction_json, prompt_tokens, "
+            "completion_tokens, cached_prompt_tokens, latency_ms, created_at_utc) "
+            "VALUES (1, 't', 'r000', 'g', 'ok', '{\"summary\": \"old\", \"sentiment\": \"neutral\"}', 5, 5, 0, 1, ?)",
+            (utc_now(),))
+    old.dispose()
+    seen = FakeEngine(SCHEMA)
+    s = run_job(job, engine_factory=lambda j: seen)
+    assert s.rows_skipped == 1 and sorted(r.row_id for r in seen.seen) == ["r001", "r002"]
+    con = sqlite3.connect(job.database_path)
+    assert [r[0] for r in con.execute("SELECT name FROM _migrations ORDER BY name")] == [m.__name__ for m in MIGRATIONS]
+    kept = con.execute("SELECT extraction_json, fingerprint FROM results WHERE row_id = 'r000'").fetchone()
+    assert kept == ('{"summary": "old", "sentiment": "neutral"}', None)

@@ -1,9 +1,12 @@
 """Generation backends behind one seam (see base.Engine)."""
 from __future__ import annotations
 
+from typing import Optional
+
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
 
-__all__ = ["Completion", "Engine", "EngineCounters", "EngineInfo", "Request", "build_engine", "preload"]
+__all__ = ["Completion", "Engine", "EngineCounters", "EngineInfo", "Request", "build_engine", "build_local_engine",
+           "describe_settings", "preload"]
 
 
 def preload(job, kind: str = "vllm") -> None:
@@ -29,9 +32,17 @@ def preload(job, kind: str = "vllm") -> None:
     threading.Thread(target=load, name="runner-preload", daemon=True).start()
 
 
-def build_engine(job, kind: str = "vllm") -> Engine:
-    """The engine a job runs on: `vllm` (real; replicas on Ray with `executor: ray`), or `fake`
-    (tests of the runner's own logic)."""
+def describe_settings(backend: Optional[str], settings: dict) -> list[tuple[str, str]]:
+    """The engine settings worth showing in a report, from a run's stored backend and settings."""
+    if backend and backend.startswith("vllm"):
+        from runner.engines.vllm_settings import describe
+
+        return describe(settings)
+    return []
+
+
+def build_local_engine(job, kind: str = "vllm") -> Engine:
+    """One engine in this process: `vllm`, or `fake` (tests of the runner's own logic)."""
     if kind == "fake":
         import os
 
@@ -40,10 +51,17 @@ def build_engine(job, kind: str = "vllm") -> Engine:
         # RUNNER_FAKE_DELAY_S slows the fake engine down so that tests can kill a run midway.
         delay = float(os.environ.get("RUNNER_FAKE_DELAY_S", "0"))
         return FakeEngine(job.output_schema, block_tokens=job.block_tokens, delay_s=delay, record=False)
-    if job.spec.executor == "ray":
-        from runner.ray_executor import RayEngine
-
-        return RayEngine(job)
     from runner.engines.vllm_engine import VllmEngine
 
     return VllmEngine(job.engine, job.model_path, job.spec.sampling, job.output_schema)
+
+
+def build_engine(job, kind: str = "vllm") -> Engine:
+    """The engine a job runs on: one in this process, or replicas of it on Ray (`executor: ray`)."""
+    if job.spec.executor == "ray":
+        import functools
+
+        from runner.engines.ray import RayEngine
+
+        return RayEngine(job, functools.partial(build_local_engine, kind=kind))
+    return build_local_engine(job, kind)

@@ -1,13 +1,17 @@
 """The one seam between the runner and a generation backend.
 
-An Engine takes a stream of Requests and yields a Completion for each, in the order they finish.
-A request the backend rejects becomes a Completion with `error` set, never an exception that
-stops the batch. Counters are cumulative since the engine started; callers take differences.
+An Engine takes Requests and gives back a Completion for each, in the order they finish. Two ways
+in: `generate(requests)` pulls from an iterable as the engine has room; `submit` and `poll` push
+work and collect what finished (a replica fed over the network does this). A request the backend
+rejects becomes a Completion with `error` set, never an exception that stops the batch. Counters
+are cumulative since the engine started; callers take differences.
 """
 from __future__ import annotations
 
+import itertools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from typing import Iterable, Iterator, Optional, Protocol
+from typing import Iterable, Iterator, Optional
 
 
 @dataclass
@@ -17,9 +21,6 @@ class Request:
     prompt_token_ids: list[int]
     max_tokens: int
     cacheable_tokens: int = 0  # leading tokens a warm prefix cache holds for it (see plan.PrefixCacheBound)
-
-
-PAUSE = Request("", "", [], 0)  # a source may yield this: "nothing to add now, keep stepping"
 
 
 @dataclass
@@ -78,24 +79,63 @@ class EngineInfo:
     kv_total_blocks: Optional[int] = None  # the KV cache the engine got (None: unknown)
 
 
-class Engine(Protocol):
+class Engine(ABC):
+    """A generation backend. Subclasses implement submit, poll, capacity, idle and counters; the
+    rest has defaults. Use as a context manager, or call close()."""
+
     info: EngineInfo
+
+    @abstractmethod
+    def submit(self, requests: list[Request]) -> None:
+        """Queue requests; they run as the engine has room."""
+
+    @abstractmethod
+    def poll(self) -> list[Completion]:
+        """Make progress (one engine step) and return what finished; [] when idle."""
+
+    @abstractmethod
+    def capacity(self) -> int:
+        """How many more requests the engine wants queued now (0: enough to keep it busy)."""
+
+    @abstractmethod
+    def idle(self) -> bool:
+        """Nothing queued and nothing running."""
+
+    @abstractmethod
+    def counters(self) -> EngineCounters:
+        """Cumulative counters since the engine started."""
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
         """Run requests, pulling from the iterable as capacity frees up; yield each as it finishes."""
-        ...
+        source = iter(requests)
+        exhausted = False
+        while True:
+            want = 0 if exhausted else self.capacity()
+            if want:
+                batch = list(itertools.islice(source, want))
+                exhausted = len(batch) < want
+                if batch:
+                    self.submit(batch)
+            yield from self.poll()
+            if exhausted and self.idle():
+                return
 
-    def counters(self) -> EngineCounters:
-        """Cumulative counters since the engine started."""
-        ...
+    def warmup(self, req: Request) -> None:
+        """Run one throwaway request so that one-time costs stay out of a measurement (default: none)."""
 
     def expected_batch(self, req: Request) -> Optional[int]:
         """How many requests like `req` the engine would run at once (None: unknown)."""
-        ...
+        return None
 
     def adaptation(self) -> dict:
         """What the engine adapted while running, stored with the run's stats."""
-        ...
+        return {}
 
     def close(self) -> None:
-        ...
+        """Release the engine (default: nothing to release)."""
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

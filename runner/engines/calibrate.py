@@ -17,39 +17,14 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from runner.engines.base import EngineCounters, Request
+from runner.engines.base import Request
+from runner.engines.sequence import Phase
 from runner.engine_config import SpeculativeSpec
 from runner.fingerprint import digest
 from runner.spec import Job
-
-
-@dataclass
-class Phase:
-    """One measured slice of the job."""
-
-    draft_tokens_setting: int  # 0: no speculation
-    rows: int
-    output_tokens: int
-    generation_s: float
-    counters: EngineCounters = field(default_factory=EngineCounters)
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.generation_s if self.generation_s > 0 else 0.0
-
-    def acceptance_by_position(self) -> list[float]:
-        """Share of drafts whose i-th token was accepted (which needs every earlier one accepted)."""
-        drafts = self.counters.spec_drafts
-        return [a / drafts for a in self.counters.spec_accepted_per_pos] if drafts else []
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["output_tokens_per_s"] = round(self.output_tokens_per_s, 2)
-        d["acceptance_by_position"] = [round(a, 4) for a in self.acceptance_by_position()]
-        return d
 
 
 def predict(spec: Phase, plain: Phase) -> dict[int, float]:

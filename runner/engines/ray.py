@@ -1,0 +1,240 @@
+"""The `ray` executor: engine replicas as Ray actors, behind the same Engine seam.
+
+The driver keeps everything that makes a run safe (the lock, the plan, resume, SQLite writes,
+stats); only generation moves. RayEngine routes whole groups (in chunks of `ray.group_chunk_rows`
+rows) to replicas so that every replica still hits its prefix cache. Each replica runs an engine
+built by a factory (vLLM in production, the fake engine in tests) through submit and poll. The
+cluster is a seam too: RayCluster places replicas on Ray; LocalCluster runs them in this process,
+so that routing and resume are tested without starting Ray.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
+from runner.errors import EngineError
+
+_INIT_LOCK = threading.Lock()
+_STEP_S = 0.05  # how long a replica call may gather completions before it answers
+
+
+def ensure_ray(job):
+    """Connect to the job's Ray cluster (ray.address, else RAY_ADDRESS), or start a local one."""
+    import ray
+
+    with _INIT_LOCK:  # the input reader's thread and the engine may both get here first
+        if not ray.is_initialized():
+            _init_ray(ray, job)
+    return ray
+
+
+def _init_ray(ray, job) -> None:
+    from runner.engines.vllm_settings import offline_environment
+
+    cfg = job.spec.ray
+    env = offline_environment(job.engine.in_process) | cfg.env
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    kwargs = dict(runtime_env={"env_vars": env}, include_dashboard=False, log_to_driver=False)
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Logical CPUs: Ray Data's read tasks need a CPU beside the replicas, or they never run.
+        cpus = cfg.local_num_cpus or int(cfg.replicas * cfg.cpus_per_replica) + 2
+        # A short folder: Ray's unix socket paths must stay under 108 bytes.
+        ray.init(num_cpus=cpus, object_store_memory=cfg.object_store_memory_bytes,
+                 _temp_dir=os.path.join(tempfile.gettempdir(), f"runner-ray-{os.getuid()}"), **kwargs)
+
+
+class EngineReplica:
+    """One engine, fed through calls of `step` (a Ray actor in RayCluster)."""
+
+    def __init__(self, factory: Callable[[Any], Engine], job):
+        self.engine = factory(job)
+
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    def step(self, requests: list[Request]) -> list[Completion]:
+        """Queue requests; return what finished, waiting for at least one while any is running."""
+        self.engine.submit(requests)
+        done: list[Completion] = []
+        deadline = time.monotonic() + _STEP_S
+        while True:
+            done += self.engine.poll()
+            if self.engine.idle() or (done and time.monotonic() > deadline):
+                return done
+
+    def counters(self) -> EngineCounters:
+        return self.engine.counters()
+
+    def expected_batch(self, req: Request) -> Optional[int]:
+        return self.engine.expected_batch(req)
+
+    def adaptation(self) -> dict:
+        return self.engine.adaptation()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class GroupRouter:
+    """Sends rows to replicas by group: a group sticks to one replica for `chunk_rows` rows, so that
+    replica computes the shared prefix once; a new group or a full chunk goes to the least loaded."""
+
+    def __init__(self, replicas: int, chunk_rows: int):
+        self.outstanding = [0] * replicas
+        self.chunk_rows = chunk_rows
+        self._route: dict[str, tuple[int, int]] = {}  # group -> (replica, rows sent in this chunk)
+
+    def assign(self, group_key: str) -> int:
+        i, sent = self._route.get(group_key, (-1, 0))
+        if i < 0 or sent >= self.chunk_rows:
+            i, sent = min(range(len(self.outstanding)), key=self.outstanding.__getitem__), 0
+        self._route[group_key] = (i, sent + 1)
+        self.outstanding[i] += 1
+        return i
+
+    def finished(self, replica: int, rows: int) -> None:
+        self.outstanding[replica] -= rows
+
+
+class RayCluster:
+    """Replicas as Ray actors: one GPU (`ray.gpus_per_replica`) and CPUs each."""
+
+    def __init__(self, job):
+        self.ray = ensure_ray(job)
+        self.cfg = job.spec.ray
+
+    def start(self, factory: Callable, job, n: int) -> list:
+        actor = self.ray.remote(EngineReplica).options(num_gpus=self.cfg.gpus_per_replica,
+                                                       num_cpus=self.cfg.cpus_per_replica)
+        return [actor.remote(factory, job) for _ in range(n)]
+
+    def call(self, replica, method: str, *args):
+        return getattr(replica, method).remote(*args)
+
+    def wait(self, calls: list) -> list:
+        return self.ray.wait(calls, num_returns=1)[0]
+
+    def get(self, call):
+        return self.ray.get(call)
+
+    def close(self, replicas: list) -> None:
+        for r in replicas:
+            try:
+                self.ray.get(r.close.remote(), timeout=60)
+            except Exception:  # the replica may already be gone; killing it below is enough
+                pass
+            self.ray.kill(r)
+
+
+class _Done:
+    """A finished call of LocalCluster: its value, or the exception it raised."""
+
+    def __init__(self, fn, *args):
+        try:
+            self.value, self.error = fn(*args), None
+        except Exception as exc:
+            self.value, self.error = None, exc
+
+
+class LocalCluster:
+    """Replicas in this process, called one after another: the same routing without Ray."""
+
+    def start(self, factory: Callable, job, n: int) -> list:
+        return [EngineReplica(factory, job) for _ in range(n)]
+
+    def call(self, replica, method: str, *args) -> _Done:
+        return _Done(getattr(replica, method), *args)
+
+    def wait(self, calls: list) -> list:
+        return calls[:1]
+
+    def get(self, call: _Done):
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def close(self, replicas: list) -> None:
+        for r in replicas:
+            r.close()
+
+
+class RayEngine(Engine):
+    """Engine replicas on a cluster, behind the Engine seam."""
+
+    def __init__(self, job, factory: Callable[[Any], Engine], cluster=None):
+        cfg = job.spec.ray
+        self.cluster = cluster if cluster is not None else RayCluster(job)
+        self.replicas = self.cluster.start(factory, job, cfg.replicas)
+        try:
+            infos = [self._get(self.cluster.call(r, "info"), "failed to start") for r in self.replicas]
+        except EngineError:
+            self.close()
+            raise
+        self.router = GroupRouter(len(self.replicas), cfg.group_chunk_rows)
+        self.cap = job.engine.max_in_flight or 4 * job.engine.max_num_seqs
+        self.buffers: list[list[Request]] = [[] for _ in self.replicas]
+        self.calls: dict[Any, int] = {}  # call in flight -> replica index
+        self.info = EngineInfo(backend=f"{infos[0].backend}+ray", version=infos[0].version,
+                               settings=infos[0].settings | {"replicas": cfg.replicas,
+                                                             "gpus_per_replica": cfg.gpus_per_replica},
+                               kv_total_blocks=infos[0].kv_total_blocks)
+
+    def _get(self, call, what: str):
+        try:
+            return self.cluster.get(call)
+        except EngineError:
+            raise
+        except Exception as exc:
+            text = str(exc).strip().splitlines()
+            raise EngineError(f"engine replica {what}: {text[-1] if text else exc.__class__.__name__}") from None
+
+    def submit(self, requests: list[Request]) -> None:
+        for req in requests:
+            self.buffers[self.router.assign(req.group_key)].append(req)
+
+    def capacity(self) -> int:
+        return max(self.cap * len(self.replicas) - sum(self.router.outstanding), 0)
+
+    def idle(self) -> bool:
+        return not self.calls and not any(self.router.outstanding)
+
+    def poll(self) -> list[Completion]:
+        busy = set(self.calls.values())
+        for i, replica in enumerate(self.replicas):  # one call in flight per replica; it takes all routed since
+            if i not in busy and (self.buffers[i] or self.router.outstanding[i]):
+                self.calls[self.cluster.call(replica, "step", self.buffers[i])] = i
+                self.buffers[i] = []
+        if not self.calls:
+            return []
+        done: list[Completion] = []
+        for call in self.cluster.wait(list(self.calls)):
+            i = self.calls.pop(call)
+            finished = self._get(call, f"{i} failed")
+            self.router.finished(i, len(finished))
+            done += finished
+        return done
+
+    def counters(self) -> EngineCounters:
+        total = EngineCounters()
+        for r in self.replicas:
+            total = total + self._get(self.cluster.call(r, "counters"), "failed")
+        return total
+
+    def expected_batch(self, req: Request) -> Optional[int]:
+        """Per replica: speculation is decided per engine."""
+        return self._get(self.cluster.call(self.replicas[0], "expected_batch", req), "failed")
+
+    def adaptation(self) -> dict:
+        return {"replicas": [self._get(self.cluster.call(r, "adaptation"), "failed") for r in self.replicas]}
+
+    def close(self) -> None:
+        if getattr(self, "replicas", None):
+            self.cluster.close(self.replicas)
+        self.replicas = []

@@ -1,0 +1,74 @@
+"""Documents to engine Requests: prompts rendered and tokenized a chunk of a group at a time.
+
+A row whose prompt cannot be built (a value its format spec does not fit, a chat template that
+refuses it, a prompt too long for the model) becomes a failed Completion here, never an exception.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator
+
+from runner.engines import Completion, Request
+from runner.errors import ModelError
+from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound
+from runner.prompting import Document, PromptBuilder
+from runner.spec import Job
+
+TOKENIZE_CHUNK_ROWS = 64  # rows tokenized together: parallel in the tokenizer, small enough to start fast
+
+
+class RequestBuilder:
+    """Planned groups -> chunks of Requests (or failed Completions), counting the prefix-cache bound."""
+
+    def __init__(self, job: Job, builder: PromptBuilder):
+        self.job, self.builder = job, builder
+        self.max_tokens = job.spec.sampling.max_tokens
+        self.max_model_len = job.engine.max_model_len
+        self.truncate = job.spec.input.on_too_long == "truncate"
+        self.groups: dict[str, GroupSummary] = {}  # what was planned, for the prefix-share bound
+        self.build_s = self.read_s = 0.0  # tokenizing and reading (in the reading thread)
+        self.bound = PrefixCacheBound(job.block_tokens)
+
+    def plan(self) -> PlanSummary:
+        return PlanSummary(list(self.groups.values()), tokens_exact=True, block_tokens=self.job.block_tokens)
+
+    def stream(self, groups: Iterable[Group]) -> Iterator[tuple[str, list[Request | Completion]]]:
+        """(group key, built chunk) for every chunk of every planned group."""
+        for group in groups:
+            for start in range(0, len(group.docs), TOKENIZE_CHUNK_ROWS):
+                t0 = time.perf_counter()
+                built = self.build_many(group, group.docs[start:start + TOKENIZE_CHUNK_ROWS])
+                self.build_s += time.perf_counter() - t0
+                yield group.key, built
+
+    def build_many(self, group: Group, docs: list[Document]) -> list[Request | Completion]:
+        """A chunk of one group's rows, tokenized together (in parallel)."""
+        b = self.builder
+        out: list[Request | Completion | Document] = []
+        texts: list[tuple[int, str]] = []
+        for d in docs:
+            try:
+                texts.append((len(out), b.user_text(d)))
+                out.append(d)  # a placeholder, replaced below
+            except (KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
+                out.append(Completion(d.row_id, error=f"prompt could not be built from prompts.user_template: "
+                                                       f"{exc.__class__.__name__}: {exc}"))
+        try:
+            all_ids = b.prompt_ids_batch(group.system_prompt, [t for _, t in texts])
+        except ModelError as exc:  # the chat template refused this system prompt (raise_exception)
+            return [Completion(d.row_id, error=str(exc)) if isinstance(o, Document) else o for d, o in zip(docs, out)]
+        for (i, _), ids in zip(texts, all_ids):
+            out[i] = self._request(group, docs[i], ids)
+        return out
+
+    def _request(self, group: Group, doc: Document, ids: list[int]) -> Request | Completion:
+        b = self.builder
+        ids, too_long = b.fit(group.system_prompt, doc, ids, self.max_model_len, self.max_tokens, self.truncate)
+        if too_long:
+            return Completion(doc.row_id, prompt_tokens=len(ids), error=too_long)
+        g = self.groups.setdefault(group.key, GroupSummary(group.key, ""))
+        cacheable = self.bound.add(ids, head=(group.key, b.head_tokens(group.system_prompt)))
+        g.rows += 1
+        g.prompt_tokens += len(ids)
+        g.cacheable_tokens += cacheable
+        return Request(doc.row_id, group.key, ids, self.max_tokens, cacheable)
