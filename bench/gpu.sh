@@ -1,7 +1,8 @@
 #!/bin/bash
-# On the lent GPU machine, after `bash .gpu/setup.sh install` (../shared/gpu/README.md, with
-# EXTRA="ray[data]" for the two-replica runs). Each device call lays the working tree anew, so the
-# benchmark runs from a copy, in the background, across calls:
+# On a GPU machine whose Python packages (vLLM 0.26, Ray for the two-replica runs, the runner's
+# dependencies) are unpacked in /tmp/site and whose model is in /tmp/smollm2 (Hugging Face format).
+# Each call of the lending tool lays the working tree anew, so the benchmark runs from a copy, in
+# the background, across calls:
 #   bash bench/gpu.sh start [bench.py options]   |   bash bench/gpu.sh wait SECONDS
 set -u
 export PYTHONPATH=/tmp/site VLLM_CACHE_ROOT=/tmp/vllm-cache RUNNER_CACHE=/tmp/runner-cache PYTHONUNBUFFERED=1 \

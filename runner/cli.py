@@ -150,13 +150,12 @@ def validate(job):
     Example:
       runner validate jobs/summarize.yaml
     """
-    from runner.inputs import scan_input
     from runner.models import is_model_dir
     from runner.readers import LocalReader
     from runner.spec import load_job
 
     spec = load_job(job)
-    scan = scan_input(LocalReader(spec.input_path, spec.spec.input))
+    scan = LocalReader(spec.input_path, spec.spec.input).scan()
     model = "ready" if is_model_dir(spec.model_path, weights=spec.engine.needs_weights) else "MISSING (runner prepare-model)"
     say(f"OK: {job}")
     say(table([
@@ -182,7 +181,6 @@ def plan(job):
       runner plan jobs/summarize.yaml
     """
     from runner.errors import ModelError
-    from runner.inputs import read_documents, scan_input
     from runner.plan import summarize_plan
     from runner.prompting import PromptBuilder
     from runner.readers import LocalReader
@@ -190,12 +188,12 @@ def plan(job):
 
     spec = load_job(job)
     reader = LocalReader(spec.input_path, spec.spec.input)
-    scan_input(reader)
+    reader.scan()
     try:
         builder = PromptBuilder(spec.model_path, spec.spec.prompts.user_template)
     except ModelError:
         builder = None
-    p = summarize_plan(read_documents(reader, spec.system_prompt), builder, spec.block_tokens)
+    p = summarize_plan(reader.documents(spec.system_prompt), builder, spec.block_tokens)
     say(f"{'group':<12}  {'rows':>7}  {'prompt tok':>11}  {'system tok':>10}  {'cacheable':>9}  system prompt")
     for g in p.groups:
         share = g.cacheable_tokens / g.prompt_tokens if g.prompt_tokens else 0

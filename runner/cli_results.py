@@ -6,7 +6,8 @@ from pathlib import Path
 import click
 
 from runner.cli import cli, reports_errors
-from runner.cli_output import fmt, say, stats_table, table
+from runner.cli_output import say, stats_table, table
+from runner.summary import fmt
 
 
 def _open_store(job, db):

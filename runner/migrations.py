@@ -142,31 +142,11 @@ def m005_fingerprints(conn: Connection) -> None:
             created_at_utc TEXT NOT NULL,
             PRIMARY KEY (job_name, fingerprint)
         )""")
-    conn.exec_driver_sql("""
-        CREATE TABLE results_history (
-            id INTEGER PRIMARY KEY,
-            result_id INTEGER NOT NULL,  -- results.id of the row it was
-            run_id INTEGER NOT NULL,
-            job_name TEXT NOT NULL,
-            row_id TEXT NOT NULL,
-            group_key TEXT NOT NULL,
-            status TEXT NOT NULL,
-            extraction_json TEXT,
-            output_text TEXT,
-            error TEXT,
-            prompt_tokens INTEGER NOT NULL,
-            completion_tokens INTEGER NOT NULL,
-            cached_prompt_tokens INTEGER NOT NULL,
-            finish_reason TEXT,
-            latency_ms REAL NOT NULL,
-            preemptions INTEGER NOT NULL,
-            attempts INTEGER NOT NULL,
-            first_status TEXT,
-            fingerprint TEXT,
-            created_at_utc TEXT NOT NULL,
-            replaced_at_utc TEXT NOT NULL,
-            replaced_by_run_id INTEGER NOT NULL
-        )""")
+    # The columns of results as they are now (id: the row it was); a later migration that adds a
+    # column to results adds it here too.
+    conn.exec_driver_sql("CREATE TABLE results_history AS SELECT * FROM results WHERE 0")
+    conn.exec_driver_sql("ALTER TABLE results_history ADD COLUMN replaced_at_utc TEXT")
+    conn.exec_driver_sql("ALTER TABLE results_history ADD COLUMN replaced_by_run_id INTEGER")
     conn.exec_driver_sql("CREATE INDEX results_history_row ON results_history (job_name, row_id)")
     conn.exec_driver_sql("ALTER TABLE run_stats ADD COLUMN rows_redone INTEGER NOT NULL DEFAULT 0")
     conn.exec_driver_sql("ALTER TABLE runs ADD COLUMN log_path TEXT")  # where vLLM's and torch's output went

@@ -44,6 +44,18 @@ class Reader:
     def batches(self, columns: Optional[list[str]] = None) -> Iterator[tuple[str, object]]:
         raise NotImplementedError
 
+    def scan(self, keep_ids: bool = False):
+        """Check every row once (runner/inputs.py): an InputScan, or an InputError."""
+        from runner.inputs import scan_input
+
+        return scan_input(self, keep_ids=keep_ids)
+
+    def documents(self, system_prompt: Optional[str]):
+        """The rows as Documents, a record batch at a time."""
+        from runner.inputs import read_documents
+
+        return read_documents(self, system_prompt)
+
 
 class LocalReader(Reader):
     """Files read in this process (pyarrow)."""

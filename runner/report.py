@@ -9,6 +9,7 @@ from statistics import mean
 from runner.engines import describe_settings
 from runner.errors import StoreError
 from runner.rows import Status
+from runner.summary import stats_lines
 from runner.store import Store
 
 SECTIONS = ("summary", "throughput", "prefix-cache", "status", "tokens", "slowest-groups")
@@ -68,10 +69,6 @@ def histogram(values: list[int], bins: int = 12) -> str:
     return bar_chart(labels, counts, fmt=lambda v: f"{v:.0f}")
 
 
-def _pct(v) -> str:
-    return "-" if v is None else f"{100 * v:.1f}%"
-
-
 def render_report(store: Store, run_id: int) -> str:
     """The report page of one run, as an HTML string."""
     run = store.run(run_id)
@@ -88,7 +85,7 @@ def render_report(store: Store, run_id: int) -> str:
         g["prompt"] += r["prompt_tokens"]
         g["cached"] += r["cached_prompt_tokens"]
         g["latency"].append(r["latency_ms"])
-    body = [_summary(run, stats, len(rows)), _throughput(store.samples(run_id)), _groups(groups, by_status),
+    body = [_summary(run, stats, by_status), _throughput(store.samples(run_id)), _groups(groups, by_status),
             f'<section id="tokens"><h2>Token counts</h2><h3>Prompt tokens per row</h3>'
             f'{histogram([r["prompt_tokens"] for r in rows])}'
             f'<h3>Completion tokens per row</h3>{histogram([r["completion_tokens"] for r in rows])}</section>']
@@ -98,16 +95,12 @@ def render_report(store: Store, run_id: int) -> str:
             f"<style>{style}</style></head><body><h1>Run {run_id}: {_esc(run['job_name'])}</h1>{''.join(body)}</body></html>")
 
 
-def _summary(run: dict, stats: dict, rows: int) -> str:
+def _summary(run: dict, stats: dict, statuses: dict[str, int]) -> str:
     settings = json.loads(run["engine_settings_json"] or "{}")
     summary = [
         ("job", run["job_name"]), ("status", run["status"]), ("started (UTC)", run["started_at_utc"]),
-        ("ended (UTC)", run["ended_at_utc"] or "-"), ("rows", rows),
-        ("documents/s", f"{stats.get('documents_per_s', 0):.2f}" if stats else "-"),
-        ("output tok/s", f"{stats.get('output_tokens_per_s', 0):.1f}" if stats else "-"),
-        ("prefix-cache hit rate", f"{_pct(stats.get('prefix_cache_hit_rate'))} (plan bound {_pct(stats.get('plan_prefix_share'))})"),
-        ("speculative acceptance", _pct(stats.get("spec_acceptance_rate"))),
-        ("wall / generation s", f"{stats.get('wall_s', 0):.1f} / {stats.get('generation_s', 0):.1f}" if stats else "-"),
+        ("ended (UTC)", run["ended_at_utc"] or "-"),
+        *stats_lines(stats, statuses),
         ("engine", f"{run['engine_backend'] or '-'} {run['engine_version'] or ''}"),
         *describe_settings(run["engine_backend"], settings),
     ]

@@ -20,7 +20,7 @@ from runner.engines.calibrate import CalibrationContext, calibrate
 from runner.engines.sequence import EngineSequence
 from runner.errors import RunnerError
 from runner.fingerprint import calibration_key, changed_parts, result_fingerprint
-from runner.inputs import InputScan, prefetch, read_documents, scan_input
+from runner.inputs import InputScan, prefetch
 from runner.lock import JobLock
 from runner.plan import plan_stream
 from runner.prompting import Document, PromptBuilder
@@ -97,7 +97,7 @@ def run_job(job: Job, engine_factory: Callable[[Job], Engine] = build_engine, op
     RunOptions, or its fields as keywords."""
     opts = options or RunOptions(**kw)
     # Bad input or a missing model stops the run here, before anything is written.
-    scan = scan_input(LocalReader(job.input_path, job.spec.input), keep_ids=True)  # the driver checks its input
+    scan = LocalReader(job.input_path, job.spec.input).scan(keep_ids=True)  # the driver checks its input
     try:
         builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
         with JobLock(job.database_path, job.name, wait=opts.wait):
@@ -207,7 +207,7 @@ def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_e
                   clock: Callable[[], float] = time.perf_counter) -> dict:
     """`runner calibrate`: measure the job's speculation on its own rows (done or not) and store the
     choice for later runs. Nothing is written to the job's results."""
-    scan = scan_input(LocalReader(job.input_path, job.spec.input))
+    scan = LocalReader(job.input_path, job.spec.input).scan()
     builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
     with JobLock(job.database_path, job.name, wait=wait):
         store = Store(job.database_path)
@@ -229,7 +229,7 @@ def _build_ahead(job: Job, rb: RequestBuilder, is_done: Optional[Callable[[list[
     then while it generates: the driver's own work stays off the engine's critical path (the
     tokenizer releases the GIL). At most BUILT_AHEAD_CHUNKS chunks wait, which bounds the token
     ids held; done rows are asked of the database a batch at a time."""
-    documents = _timed(read_documents(make_reader(job), job.system_prompt), rb)  # Ray starts here, not in the thread
+    documents = _timed(make_reader(job).documents(job.system_prompt), rb)  # Ray starts here, not in the thread
     if is_done is not None:
         documents = _not_done(documents, is_done)
     return prefetch(rb.stream(plan_stream(documents, job.spec.plan_window_rows)), BUILT_AHEAD_CHUNKS)

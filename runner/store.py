@@ -192,7 +192,7 @@ class Store:
             for start in range(0, len(ids), DoneFilter.BATCH):
                 part = ids[start:start + DoneFilter.BATCH]
                 conn.exec_driver_sql(
-                    f"INSERT INTO results_history (result_id, {kept}, replaced_at_utc, replaced_by_run_id) "
+                    f"INSERT INTO results_history (id, {kept}, replaced_at_utc, replaced_by_run_id) "
                     f"SELECT id, {kept}, ?, ? FROM results WHERE job_name = ? AND row_id IN ({', '.join('?' * len(part))})",
                     (now, rows[0].run_id, job, *part))
 

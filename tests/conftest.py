@@ -51,9 +51,37 @@ def write_docs(path: Path, n: int = 12, systems=(SYSTEM_A, SYSTEM_B), **extra_co
     return path
 
 
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A model folder for tests of the runner's own logic (the fake engine): a small byte-level
+    BPE tokenizer trained here, a ChatML template, a Llama config, and an empty weights file.
+    Tests that need no generation run without the embedded model being converted."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [SYSTEM_A, SYSTEM_B, "Document 0: the blender number broke after days. Very bad.", "summary sentiment"]
+    tok.train_from_iterator(corpus * 20, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHATML}))
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (folder / "model.safetensors").write_bytes(b"")  # present, not loadable: the fake engine loads nothing
+    return folder
+
+
 @pytest.fixture
-def make_job(tmp_path, model_dir):
-    """Write a complete job (Parquet, schema, engine config, job YAML) under tmp_path; returns its path."""
+def make_job(tmp_path, request):
+    """Write a complete job (Parquet, schema, engine config, job YAML) under tmp_path; returns its
+    path. Tests marked `vllm` get the embedded model; the others a tiny tokenizer-only model."""
+    model_dir = request.getfixturevalue("model_dir" if request.node.get_closest_marker("vllm") else "tiny_model_dir")
 
     def make(rows: int = 12, job: dict | None = None, engine: dict | None = None, schema: dict | None = None,
              docs: Path | None = None) -> Path:

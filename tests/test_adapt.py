@@ -39,14 +39,14 @@ def test_every_group_in_flight_holds_its_prefix_until_its_last_request():
     b = KvBudget(total_blocks=1000, block_tokens=16, project=False)
     g1 = [b.admit(Request(f"a{i}", "a", list(range(200)), 10, 160)) for i in range(3)]  # prefix 10 blocks
     g2 = b.admit(Request("b0", "b", list(range(400)), 10, 320))  # prefix 20 blocks
-    assert b._reserve() == 30
+    assert b.reserved_blocks() == 30
     b.release(g1[0], 10)
     b.release(g1[1], 10)
-    assert b._reserve() == 30  # one request of group a still runs: its prefix stays
+    assert b.reserved_blocks() == 30  # one request of group a still runs: its prefix stays
     b.release(g1[2], 10)
-    assert b._reserve() == 20
+    assert b.reserved_blocks() == 20
     b.release(g2, 10)
-    assert b._reserve() == 0
+    assert b.reserved_blocks() == 0
 
 
 def test_budget_learns_the_output_length():
@@ -161,7 +161,9 @@ def test_auto_speculation_calibrates_on_the_jobs_own_rows(make_job):
     choice = json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
     cal = choice["speculative_calibration"]
     assert [p["rows"] for p in cal["phases"]][:2] == [4, 4]
-    assert cal["chosen_draft_tokens"] in (0, 5) and len(choice["engines"]) == len(started)
+    # The fake engine makes no drafts: the choice is whichever slice measured faster, no more.
+    faster = cal["relative_throughput"]["5"] > 1
+    assert cal["chosen_draft_tokens"] == (5 if faster else 0) and len(choice["engines"]) == len(started)
 
 
 def test_a_predicted_draft_length_is_measured_and_dropped_when_it_loses(make_job):

@@ -16,7 +16,6 @@ from runner.export import flat_fields
 from runner.report import SECTIONS
 from tests.test_crash_safety import runner_cmd
 
-pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +42,7 @@ def real_db(tmp_path_factory, model_dir):
     return root / "results.sqlite"
 
 
+@pytest.mark.vllm
 def test_samples_were_recorded_during_the_run(real_db):
     con = sqlite3.connect(real_db)
     samples = con.execute("SELECT elapsed_s, rows_done FROM run_samples ORDER BY elapsed_s").fetchall()
@@ -50,6 +50,7 @@ def test_samples_were_recorded_during_the_run(real_db):
     assert [r for _, r in samples] == sorted(r for _, r in samples) and samples[-1][1] == 10
 
 
+@pytest.mark.vllm
 def test_stats_table_of_a_real_run(real_db):
     out = CliRunner().invoke(cli, ["stats", "1", "--db", str(real_db)])
     assert out.exit_code == 0, out.output
@@ -59,6 +60,7 @@ def test_stats_table_of_a_real_run(real_db):
     assert f"ok {ok}" in out.output
 
 
+@pytest.mark.vllm
 def test_report_renders_in_headless_chromium(real_db, tmp_path):
     page = tmp_path / "report.html"
     out = CliRunner().invoke(cli, ["report", "1", "--db", str(real_db), "-o", str(page)])
@@ -86,6 +88,7 @@ def test_report_renders_in_headless_chromium(real_db, tmp_path):
     assert blue > 500  # the bars and the curve were drawn
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("fmt", ["parquet", "csv", "jsonl"])
 def test_export_flattens_extraction_fields(real_db, tmp_path, fmt):
     target = tmp_path / f"out.{fmt}"
@@ -114,6 +117,7 @@ def test_flat_fields_tell_scalars_from_structures():
     assert flat_fields(schema) == {"a": True, "b": False, "c": True, "d": True}
 
 
+@pytest.mark.vllm
 def test_report_of_a_missing_run_is_an_error(real_db, tmp_path):
     out = CliRunner().invoke(cli, ["report", "99", "--db", str(real_db), "-o", str(tmp_path / "x.html")])
     assert out.exit_code == 6 and out.output.startswith("Error: ") and "no run 99" in out.output

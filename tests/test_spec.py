@@ -10,7 +10,7 @@ from runner.errors import SpecError
 from runner.spec import load_job
 
 
-def test_valid_job_resolves_paths_and_merges_engine_overrides(make_job, tmp_path, model_dir):
+def test_valid_job_resolves_paths_and_merges_engine_overrides(make_job, tmp_path, tiny_model_dir):
     path = make_job(job={"engine": {"config": "configs/engine.yaml", "max_num_seqs": 3}})
     job = load_job(path)
     assert job.name == "t"
@@ -19,7 +19,7 @@ def test_valid_job_resolves_paths_and_merges_engine_overrides(make_job, tmp_path
     assert job.engine.enable_prefix_caching is True  # the default
     assert job.engine.speculative.method == "ngram"
     assert job.database_path == tmp_path / "out" / "results.sqlite"
-    assert job.model_path == model_dir
+    assert job.model_path == tiny_model_dir
     assert job.output_schema["required"] == ["summary", "sentiment"]
     snap = job.snapshot()
     assert snap["engine"]["max_num_seqs"] == 3 and snap["job"]["name"] == "t"

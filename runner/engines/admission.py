@@ -95,6 +95,10 @@ class KvBudget:
             extra = prefix if entry is None else max(prefix - entry[1], 0)
         return self._held_prefix + extra
 
+    def reserved_blocks(self) -> int:
+        """Blocks held by the shared prefixes of the groups with requests in flight."""
+        return self._reserve()
+
     def can_admit(self, req: Request) -> bool:
         if self.budget is None or not self.tickets:
             return True  # an empty engine always takes one request, whatever its size

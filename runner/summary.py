@@ -1,0 +1,41 @@
+"""How a run's stats read for people: the lines `runner run`, `runner stats` and the report share."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+
+def fmt(v, digits: int = 2, pct: bool = False) -> str:
+    if v is None:
+        return "-"
+    if pct:
+        return f"{100 * v:.1f}%"
+    return f"{v:,.{digits}f}" if isinstance(v, float) else f"{v:,}"
+
+
+def speculation(choice_json: Optional[str]) -> str:
+    """How the run chose its speculative decoding, from run_stats.engine_choice_json."""
+    cal = (json.loads(choice_json) if choice_json else {}).get("speculative_calibration")
+    if not cal:
+        return "as configured"
+    k = cal.get("chosen_draft_tokens", 0)
+    what = f"{k} draft tokens" if k else "off"
+    if "reused_calibration_id" in cal:
+        return f"{what} (calibration #{cal['reused_calibration_id']} of {cal['measured_at_utc'][:10]}, reused)"
+    if "calibration_id" in cal:
+        return f"{what} (measured in {cal.get('calibration_s', 0):.1f} s, stored as calibration #{cal['calibration_id']})"
+    return f"{what} ({cal.get('skipped', 'not measured')})"
+
+
+def stats_lines(s: dict, statuses: dict[str, int]) -> list[tuple[str, str]]:
+    """A run's stats row as (label, text) lines."""
+    return [
+        ("rows by status", ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()) if v) or "-"),
+        ("documents/s", fmt(s.get("documents_per_s"))),
+        ("output / total tok/s", f"{fmt(s.get('output_tokens_per_s'), 1)} / {fmt(s.get('total_tokens_per_s'), 1)}"),
+        ("prefix-cache hit rate",
+         f"{fmt(s.get('prefix_cache_hit_rate'), pct=True)} (plan bound {fmt(s.get('plan_prefix_share'), pct=True)})"),
+        ("spec. acceptance", fmt(s.get("spec_acceptance_rate"), pct=True)),
+        ("speculation", speculation(s.get("engine_choice_json"))),
+        ("wall / generation s", f"{fmt(s.get('wall_s'), 1)} / {fmt(s.get('generation_s'), 1)}"),
+    ]
