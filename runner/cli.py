@@ -81,10 +81,12 @@ def _progress(spec, quiet: bool):
               help="Where engines run: this process (local) or replicas on a Ray cluster (ray). Default: the job's.")
 @click.option("--recalibrate", is_flag=True,
               help="speculative: auto: measure again instead of reusing the choice stored for this job's settings.")
+@click.option("--no-verify", is_flag=True,
+              help="Use speculative settings even where `runner verify` found they change greedy outputs.")
 @click.option("--engine", type=click.Choice(["vllm", "fake"]), default="vllm", hidden=True,
               help="Test seam: the fake engine exercises the runner without generating.")
 @reports_errors
-def run(job, restart, retry_failed, wait, quiet, verbose, executor, recalibrate, engine):
+def run(job, restart, retry_failed, wait, quiet, verbose, executor, recalibrate, no_verify, engine):
     """Run JOB: generate an extraction for every input row and store it in SQLite.
 
     Resumes by default: rows already stored by this version of the job are skipped; rows made by
@@ -110,6 +112,7 @@ def run(job, restart, retry_failed, wait, quiet, verbose, executor, recalibrate,
         summary = run_job(
             spec, engine_factory=lambda j: build_engine(j, engine), restart=restart, wait=wait,
             progress_factory=_progress(spec, quiet), recalibrate=recalibrate, retry_failed=retry_failed,
+            verify_gate=not no_verify,
             notify=None if quiet else (lambda msg: warn(f"Note: {msg}")), log_path=str(log) if log else None,
             # Ray imports vLLM in its replicas, not here
             on_input_ok=(lambda: preload(spec, engine)) if spec.spec.executor == "local" else None)
@@ -206,48 +209,6 @@ def plan(job):
         f"{100 * p.prefix_share:.1f}%")
 
 
-@cli.command()
-@click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--wait", is_flag=True, help="If the job is running, wait for it instead of exiting.")
-@click.option("--verbose", "-v", is_flag=True, help="vLLM's and torch's output to stderr instead of the job's log file.")
-@click.option("--engine", type=click.Choice(["vllm", "fake"]), default="vllm", hidden=True)
-@reports_errors
-def calibrate(job, wait, verbose, engine):
-    """Measure JOB's speculative decoding on its own rows and store the choice.
-
-    For engine configs with `speculative: auto`. Runs slices of the job's rows without drafts and
-    with ngram drafts, keeps the faster setting, and stores it in the job's database: later runs
-    with the same model, engine settings, vLLM version, device, schema, sampling and prompts start
-    one engine with it. Results of the slices are not stored.
-
-    \b
-    Example:
-      runner calibrate jobs/summarize.yaml
-    """
-    from runner.engines import build_engine
-    from runner.errors import SpecError
-    from runner.run import calibrate_job
-    from runner.spec import load_job
-
-    spec = load_job(job)
-    if spec.engine.speculative != "auto":
-        raise SpecError(f"{spec.engine_config_path}: speculative: calibrate needs `speculative: auto` "
-                        f"(the job's engine config fixes it)")
-    _, redirect = _engine_output(spec, verbose, "calibrate")
-    with redirect:
-        record = calibrate_job(spec, engine_factory=lambda j: build_engine(j, engine), wait=wait)
-    if "calibration_id" in record:
-        k = record["stored_draft_tokens"]
-        say(f"Speculation: {f'{k} draft tokens' if k else 'off'} (stored as calibration #{record['calibration_id']})")
-    else:
-        say(f"Speculation: nothing stored ({record.get('skipped', 'not measured')})")
-    rows = [(f"{p['draft_tokens_setting']} drafts", f"{p['rows']} rows, {p['output_tokens_per_s']:.1f} output tok/s"
-             + (f", acceptance by position {p['acceptance_by_position']}" if p["acceptance_by_position"] else ""))
-            for p in record.get("phases", [])]
-    if rows:
-        say(table(rows))
-
-
 @cli.command("prepare-model")
 @click.option("--force", is_flag=True, help="Convert again even if the folder exists.")
 @reports_errors
@@ -264,7 +225,8 @@ def prepare_model(force):
     say(f"{'Converted' if converted else 'Already prepared'}: {path}")
 
 
-importlib.import_module("runner.cli_results")  # registers stats, status, report, export on `cli`
+for _module in ("runner.cli_results", "runner.cli_speculation"):  # register their commands on `cli`
+    importlib.import_module(_module)
 
 
 def main():  # console-script entry point; the guard matters for vLLM's spawned workers
@@ -277,4 +239,6 @@ def main():  # console-script entry point; the guard matters for vLLM's spawned 
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m runner.cli`: the commands of cli_results and cli_speculation register on the
+    # imported module's group, not on this __main__ copy of it.
+    importlib.import_module("runner.cli").main()

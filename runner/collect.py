@@ -7,6 +7,7 @@ transaction, with a throughput sample every few seconds for reports.
 """
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -49,6 +50,7 @@ class ResultCollector:
         self.counts = {s: 0 for s in STATUSES}
         self.tokens = {"prompt": 0, "completion": 0, "cached": 0}
         self.timers = {"check_s": 0.0, "store_s": 0.0}  # the driver's own work on finished rows
+        self.recorded: dict[str, tuple] = {}  # without keep_results: row id -> (status, extraction, text)
         self.t0 = self.last_sample = clock()
 
     @property
@@ -86,12 +88,15 @@ class ResultCollector:
 
     def _store(self, c: Completion, group_key: str, status: Status, extraction: Optional[str],
                error: Optional[str], f: InFlight) -> None:
+        if not self.keep_results:
+            self.recorded[c.row_id] = (status.value, extraction, c.text)
         self.buffer.append(ResultRow(
             run_id=self.run_id, job_name=self.job.name, row_id=c.row_id, group_key=group_key, status=status.value,
             extraction_json=extraction, output_text=c.text, error=error, prompt_tokens=c.prompt_tokens,
             completion_tokens=c.completion_tokens, cached_prompt_tokens=c.cached_prompt_tokens,
             finish_reason=c.finish_reason, latency_ms=round(c.latency_ms, 3), preemptions=c.preemptions,
-            attempts=f.attempt, first_status=f.first_status, fingerprint=self.fingerprint))
+            attempts=f.attempt, first_status=f.first_status, fingerprint=self.fingerprint,
+            output_token_ids_json=json.dumps(c.token_ids) if c.token_ids else None))
         self.counts[status.value] += 1
         self.tokens["prompt"] += c.prompt_tokens
         self.tokens["completion"] += c.completion_tokens

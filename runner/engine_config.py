@@ -18,6 +18,25 @@ class SpeculativeSpec(BaseModel):
     num_speculative_tokens: int = Field(ge=1)
 
 
+class CandidateSpec(Strict):
+    """A speculative method `speculative: auto` may choose, at a draft length it measures."""
+
+    method: str = Field(description="vLLM's speculative method: ngram, draft_model, eagle, eagle3, ...")
+    model: Optional[str] = Field(default=None, description=(
+        "the draft model or EAGLE head folder (relative to the config file); `distilled`: the job's "
+        "latest draft made by `runner distill`"))
+    max_draft_tokens: Optional[int] = Field(default=None, ge=1, description="default: calibration.max_draft_tokens")
+    options: dict[str, Any] = Field(default={}, description="other speculative_config keys, e.g. prompt_lookup_max")
+
+
+class VerifySpec(Strict):
+    """How much a speculative setting may change greedy outputs (see `runner verify`)."""
+
+    min_agreement: float = Field(default=0.99, ge=0, le=1, description=(
+        "a setting whose stored verification agreed on fewer rows than this is not used"))
+    rows: int = Field(default=64, ge=1, description="rows `runner verify` compares by default")
+
+
 class CalibrationSpec(Strict):
     """How `speculative: auto` measures the job (see runner/engines/calibrate.py)."""
 
@@ -31,6 +50,14 @@ class CalibrationSpec(Strict):
         "measure speculation only when the engine runs at most this many requests at once; larger "
         "batches are compute-bound and verifying drafts costs more than it saves"))
     ngram: dict[str, Any] = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    candidates: Optional[list[CandidateSpec]] = Field(default=None, description=(
+        "what auto chooses among besides no drafts; default: ngram (the `ngram` settings) up to max_draft_tokens"))
+
+    def candidate_list(self) -> list[CandidateSpec]:
+        if self.candidates is not None:
+            return self.candidates
+        base = dict(self.ngram)
+        return [CandidateSpec(method=base.pop("method", "ngram"), options=base)]
 
 
 class EngineConfig(Strict):
@@ -52,6 +79,7 @@ class EngineConfig(Strict):
     in_process: bool = Field(default=False, description="run vLLM's engine core in this process")
     speculative: Union[SpeculativeSpec, Literal["auto"], None] = None
     calibration: CalibrationSpec = CalibrationSpec()
+    verify: VerifySpec = VerifySpec()
     structured_output_backend: Literal["auto", "xgrammar", "guidance", "outlines"] = "xgrammar"
     kv_admission: bool = Field(default=True, description="admit requests only while the KV cache can hold them")
     kv_projection: bool = Field(default=True, description=(

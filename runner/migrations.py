@@ -152,7 +152,46 @@ def m005_fingerprints(conn: Connection) -> None:
     conn.exec_driver_sql("ALTER TABLE runs ADD COLUMN log_path TEXT")  # where vLLM's and torch's output went
 
 
-MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations, m005_fingerprints]
+def m006_verifications_and_drafts(conn: Connection) -> None:
+    # `runner verify`: how many greedy outputs a speculative setting left unchanged; `runner
+    # distill`: draft models made from a job's own outputs.
+    conn.exec_driver_sql("""
+        CREATE TABLE verifications (
+            id INTEGER PRIMARY KEY,
+            key_sha256 TEXT NOT NULL,  -- the calibration key (model, engine, schema, prompts...)
+            setting_json TEXT NOT NULL,  -- the speculative method and its draft, without the length
+            job_name TEXT NOT NULL,
+            rows INTEGER NOT NULL,
+            agreement REAL NOT NULL,  -- share of rows whose output was the same with and without drafts
+            field_agreement_json TEXT NOT NULL,  -- per top-level field of the extraction
+            differences_json TEXT NOT NULL,  -- the rows that differ, side by side (the first 20)
+            created_at_utc TEXT NOT NULL
+        )""")
+    conn.exec_driver_sql("CREATE INDEX verifications_key ON verifications (key_sha256, setting_json, id)")
+    conn.exec_driver_sql("""
+        CREATE TABLE drafts (
+            id INTEGER PRIMARY KEY,
+            job_name TEXT NOT NULL,
+            path TEXT NOT NULL,
+            base_model TEXT NOT NULL,
+            base_model_fingerprint TEXT NOT NULL,
+            layers INTEGER NOT NULL,
+            rows_trained INTEGER NOT NULL,
+            rows_held_out INTEGER NOT NULL,
+            train_json TEXT NOT NULL,  -- epochs, learning rate, losses, held-out acceptance by position
+            created_at_utc TEXT NOT NULL
+        )""")
+
+
+def m007_output_token_ids(conn: Connection) -> None:
+    # The token ids the model generated: what a distilled draft must learn to guess. Under a JSON
+    # grammar they differ from the text's own tokenization from the first token on.
+    for table in ("results", "results_history"):
+        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN output_token_ids_json TEXT")
+
+
+MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations, m005_fingerprints,
+              m006_verifications_and_drafts, m007_output_token_ids]
 
 
 def utc_now() -> str:

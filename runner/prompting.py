@@ -122,6 +122,10 @@ class PromptBuilder:
                          f"max_model_len={max_model_len} (set input.on_too_long: truncate to cut the document)")
         return ids, None
 
+    def eos_token_id(self) -> Optional[int]:
+        """The token that ends an answer (the chat template's end of turn)."""
+        return self._tok.token_to_id(_special(self._tok_cfg.get("eos_token")) or "")
+
     def encode(self, text: str) -> list[int]:
         # The template already wrote the special tokens; adding more would break prefix sharing.
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -49,6 +49,7 @@ class ResultRow:
     attempts: int
     first_status: Optional[str]  # the first attempt's status, when the row was retried
     fingerprint: Optional[str]  # what made it (runner/fingerprint.py)
+    output_token_ids_json: Optional[str] = None  # the generated token ids (what `runner distill` learns)
 
     def values(self, created_at_utc: str) -> tuple:
         """In RESULT_COLUMNS order."""

@@ -18,8 +18,9 @@ from runner.collect import Progress, ResultCollector
 from runner.engines import Engine, build_engine
 from runner.engines.calibrate import CalibrationContext, calibrate
 from runner.engines.sequence import EngineSequence
+from runner.engines.speculation import setting_key, with_speculative
 from runner.errors import RunnerError
-from runner.fingerprint import calibration_key, changed_parts, result_fingerprint
+from runner.fingerprint import calibration_key, changed_parts, digest, result_fingerprint
 from runner.inputs import InputScan, prefetch
 from runner.lock import JobLock
 from runner.plan import plan_stream
@@ -45,6 +46,7 @@ class RunOptions:
     progress_factory: Optional[Callable[[int], Progress]] = None
     on_input_ok: Optional[Callable[[], None]] = None  # once input, model, lock and database are fine
     notify: Optional[Callable[[str], None]] = None  # told what the run will redo, before it starts
+    verify_gate: bool = True  # a speculative setting whose stored verification failed is not used
     clock: Callable[[], float] = time.perf_counter
 
 
@@ -58,6 +60,7 @@ class Work:
     redone: int  # stored rows to run again (another version of the job, or --retry-failed)
     reasons: list[str]  # what changed, e.g. "sampling.max_tokens"
     is_done: DoneFilter  # which rows of a batch to skip, asked of the database
+    notes: list[str] = field(default_factory=list)  # what the run changed about the job, and why
 
 
 @dataclass
@@ -122,10 +125,13 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     if work.redone and opts.notify is not None:
         opts.notify(f"running {work.redone:,} stored rows again: " + ("--retry-failed" if opts.retry_failed else
                     "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"))
+    key = calibration_key(job, scan.system_prompt_keys)
+    job, gated = _verify_gate(job, store, key, opts)
+    if gated:
+        work.notes.append(gated)
     run_id = store.begin_run(job.name, str(job.path), job.snapshot() | {"fingerprint": work.fingerprint},
                              opts.log_path)
-    ctx = CalibrationContext(store, calibration_key(job, scan.system_prompt_keys), work.todo, run_id,
-                             force=opts.recalibrate)
+    ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
     old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM,)}
     try:
         engines = EngineSequence(engine_factory, clock=opts.clock,
@@ -143,6 +149,23 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     summary.rows_redone, summary.redo_reasons = work.redone, work.reasons
     summary.job_counts = store.job_status_counts(job.name)
     return summary
+
+
+def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[Job, Optional[str]]:
+    """A fixed speculative setting that a stored `runner verify` found to change more greedy outputs
+    than verify.min_agreement allows is dropped (the run says so); --no-verify keeps it."""
+    spec = job.engine.speculative
+    if not opts.verify_gate or spec is None or spec == "auto":
+        return job, None
+    v = store.latest_verification(digest(key), setting_key(spec.model_dump()))
+    limit = job.engine.verify.min_agreement
+    if v is None or v["agreement"] >= limit:
+        return job, None
+    why = (f"running without speculative decoding: runner verify found {spec.method} drafts left "
+           f"{v['agreement']:.1%} of greedy outputs unchanged (verify.min_agreement {limit:.0%}; --no-verify keeps them)")
+    if opts.notify is not None:
+        opts.notify(why)
+    return with_speculative(job, None), why
 
 
 def _work(store: Store, job: Job, scan: InputScan, retry_failed: bool) -> Work:
@@ -182,9 +205,15 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
                            skipped=work.skipped, redone=work.redone)
     stats.engine_choice_json = json.dumps({"speculative_calibration": choice, "engines": engines.adaptations,
                                            "engine_starts_s": [round(x, 3) for x in engines.starts],
-                                           "runner_loop": collector.times()})
+                                           "runner_loop": collector.times(), "notes": work.notes,
+                                           "spec_acceptance_by_position": _by_position(engines.used)})
     store.finish_run(run_id, "completed", stats=stats)
     return RunSummary(run_id, str(job.database_path), 0, 0, dict(collector.counts), stats.as_dict())
+
+
+def _by_position(used) -> list[float]:
+    """Share of drafts whose i-th token was accepted (vLLM counts them per position)."""
+    return [round(a / used.spec_drafts, 4) for a in used.spec_accepted_per_pos] if used.spec_drafts else []
 
 
 def _generate(job: Job, engines: EngineSequence, collector: ResultCollector, source: Iterator,

@@ -58,6 +58,8 @@ class Store:
         self.calibrations = meta.tables["calibrations"]
         self.fingerprints = meta.tables["fingerprints"]
         self.history = meta.tables["results_history"]
+        self.verifications = meta.tables["verifications"]
+        self.drafts = meta.tables["drafts"]
 
     def close(self) -> None:
         self.engine.dispose()
@@ -219,6 +221,45 @@ class Store:
                       record_json=json.dumps(record, sort_keys=True, default=str), created_at_utc=utc_now())
         with self._tx() as conn:
             return conn.execute(self.calibrations.insert().values(**values)).inserted_primary_key[0]
+
+    # -- verifications and drafts -------------------------------------------------------------
+    def save_verification(self, *, key_sha256: str, setting: dict, job_name: str, rows: int, agreement: float,
+                          field_agreement: dict, differences: list) -> int:
+        values = dict(key_sha256=key_sha256, setting_json=json.dumps(setting, sort_keys=True), job_name=job_name,
+                      rows=rows, agreement=agreement, field_agreement_json=json.dumps(field_agreement, sort_keys=True),
+                      differences_json=json.dumps(differences, ensure_ascii=False), created_at_utc=utc_now())
+        with self._tx() as conn:
+            return conn.execute(self.verifications.insert().values(**values)).inserted_primary_key[0]
+
+    def latest_verification(self, key_sha256: str, setting: Optional[dict]) -> Optional[dict]:
+        if setting is None:
+            return None
+        v = self.verifications.c
+        q = select(self.verifications).where(v.key_sha256 == key_sha256,
+                                             v.setting_json == json.dumps(setting, sort_keys=True)).order_by(v.id.desc()).limit(1)
+        with self.engine.connect() as conn:
+            row = conn.execute(q).mappings().first()
+            return dict(row) if row else None
+
+    def save_draft(self, **values) -> int:
+        values = values | {"train_json": json.dumps(values["train_json"], sort_keys=True), "created_at_utc": utc_now()}
+        with self._tx() as conn:
+            return conn.execute(self.drafts.insert().values(**values)).inserted_primary_key[0]
+
+    def latest_draft(self, job_name: str) -> Optional[dict]:
+        d = self.drafts.c
+        with self.engine.connect() as conn:
+            row = conn.execute(select(self.drafts).where(d.job_name == job_name).order_by(d.id.desc()).limit(1)).mappings().first()
+            return dict(row) if row else None
+
+    def ok_results(self, job_name: str, fingerprint: Optional[str] = None) -> Iterable[tuple[str, str, Optional[str]]]:
+        """(row id, output text, generated token ids as JSON) of the job's ok rows (of one
+        fingerprint, or made before fingerprints), in row order."""
+        r = self.results.c
+        q = select(r.row_id, r.output_text, r.output_token_ids_json).where(r.job_name == job_name, r.status == "ok")
+        q = q.where(r.fingerprint == fingerprint if fingerprint is not None else r.fingerprint.is_(None))
+        with self.engine.connect() as conn:
+            yield from conn.execute(q.order_by(r.row_id))
 
     # -- reading ----------------------------------------------------------------------------
     def run(self, run_id: int) -> Optional[dict]:

@@ -8,7 +8,7 @@ import sqlite3
 
 import pytest
 
-from runner.engines.calibrate import choose, predict, speculative_config
+from runner.engines.speculation import choose, predict, speculative_config
 from runner.engines.sequence import Phase
 from runner.engines.admission import KvBudget
 from runner.engines.base import EngineCounters, Request

@@ -106,3 +106,13 @@ def test_calibrate_then_run_reuses_the_stored_choice(invoke, make_job):
 def test_calibrate_refuses_a_fixed_speculative_setting(invoke, make_job):
     out = invoke("calibrate", "--engine", "fake", make_job(rows=4))
     assert out.exit_code == 2 and out.output.startswith("Error: ") and "speculative: auto" in out.output
+
+
+def test_python_dash_m_knows_every_command():
+    """`python -m runner.cli` (what tests and the benchmark run) registers the same commands."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "runner.cli", "--help"], capture_output=True, text=True, timeout=60)
+    for command in ("run", "validate", "plan", "calibrate", "verify", "distill", "status", "stats", "report", "export"):
+        assert f"  {command} " in out.stdout, command

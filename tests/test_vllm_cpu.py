@@ -162,3 +162,41 @@ def test_real_tight_kv_cache_admits_only_what_fits(make_job, tmp_path, speculati
     assert preemptions == 0 and kv["preemptions_seen"] == 0  # ...and no request was preempted
     if speculative is None:
         assert kv["admitted_by_projection"] > 0  # requests the sum of peaks would have held back
+
+
+def test_real_verify_then_distill_a_draft_and_calibrate_with_it(make_job, tmp_path):
+    """runner verify compares greedy outputs with and without ngram drafts on real vLLM; a job's
+    outputs then train a 2-layer draft that vLLM runs as a calibration candidate."""
+    from tests.conftest import SYSTEM_B, write_docs
+
+    example = ' Answer like {"summary":"The blender broke.","sentiment":"negative"}'
+    docs = write_docs(tmp_path / "data" / "docs.parquet", 24, systems=(SYSTEM_B + example,))
+    job = make_job(docs=docs, engine={"speculative": {"method": "ngram", "num_speculative_tokens": 3,
+                                                      "prompt_lookup_max": 3, "prompt_lookup_min": 2}})
+    result = run_cli("verify", "--rows", "6", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    rows, agreement, fields = con.execute("SELECT rows, agreement, field_agreement_json FROM verifications").fetchone()
+    assert rows == 6 and 0 <= agreement <= 1 and set(json.loads(fields)) == {"summary", "sentiment"}
+    assert "of 6 rows unchanged" in result.stdout
+
+    assert run_cli("run", "--quiet", "--no-verify", job).returncode == 0  # outputs (and token ids) to learn from
+    assert con.execute("SELECT count(*) FROM results WHERE output_token_ids_json IS NOT NULL").fetchone()[0] > 0
+    result = run_cli("distill", job, "--out", tmp_path / "draft", "--layers", "2", "--epochs", "1", "--holdout", "0.3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "draft" / "config.json").is_file() and json.loads((tmp_path / "draft" / "config.json").read_text())["num_hidden_layers"] == 2
+    layers, train = con.execute("SELECT layers, train_json FROM drafts").fetchone()
+    assert layers == 2 and len(json.loads(train)["held_out_acceptance_by_position"]) == 4
+
+    import yaml
+
+    spec = yaml.safe_load(job.read_text())
+    spec["engine"] |= {"speculative": "auto", "calibration": {"rows": 4, "candidates": [
+        {"method": "draft_model", "model": "distilled", "max_draft_tokens": 2}]}}
+    job.write_text(yaml.safe_dump(spec))
+    result = run_cli("calibrate", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(con.execute("SELECT record_json FROM calibrations ORDER BY id DESC").fetchone()[0])
+    draft_phase = record["phases"][1]
+    assert draft_phase["draft_tokens_setting"] == 2 and draft_phase["counters"]["spec_drafts"] > 0
+    assert str(tmp_path / "draft") in json.dumps(record["candidates"])

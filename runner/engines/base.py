@@ -34,6 +34,7 @@ class Completion:
     latency_ms: float = 0.0
     preemptions: int = 0
     error: Optional[str] = None
+    token_ids: list[int] = field(default_factory=list)  # what the model generated (empty: not known)
 
 
 @dataclass

@@ -3,11 +3,13 @@
 Speculation pays only when drafts are accepted often and the batch is small, and the best draft
 length depends on the task, so the runner measures instead of guessing. It starts the engine
 without speculation and sizes the batch the job will run at; a batch over `calibration.max_batch`
-runs without drafts and costs nothing more. Otherwise it runs two slices of the job's own rows
-(their results are kept, nothing is wasted): one without drafts, one with ngram drafts of the
-longest candidate length. From the per-position acceptance of the second and the throughput of
-both, it predicts every shorter draft length and keeps the best, measuring a predicted length
-before trusting it.
+runs without drafts and costs nothing more. Otherwise it runs slices of the job's own rows
+(their results are kept, nothing is wasted): one without drafts, then one per candidate
+(calibration.candidates: ngram, a draft model, an EAGLE head, the job's distilled draft) at its
+longest draft length. From each one's per-position acceptance and the throughputs, it predicts
+every shorter length, keeps the best candidate and length, and measures a predicted length before
+trusting it. A candidate whose stored verification (`runner verify`) changed too many greedy
+outputs is not measured.
 
 Fixed costs are paid once: a measured choice is stored in the job's database under a key of what
 decides it (runner/fingerprint.py) and a later run with the same key starts one engine. A first
@@ -22,52 +24,10 @@ from typing import Iterator, Optional
 
 from runner.engines.base import Request
 from runner.engines.sequence import Phase
-from runner.engine_config import SpeculativeSpec
+from runner.engines.speculation import Candidate, candidate, choose, setting_key, speculative_config, with_speculative
 from runner.fingerprint import digest
+from runner.models import resolve_model
 from runner.spec import Job
-
-
-def predict(spec: Phase, plain: Phase) -> dict[int, float]:
-    """Predicted throughput of each draft length relative to no speculation.
-
-    With per-position acceptance a_i, a drafting step yields 1 + a_1 + ... + a_k tokens. A step
-    that verifies k drafts costs (1 + beta * k) plain steps; beta comes from the two measurements.
-    """
-    k_max = spec.draft_tokens_setting
-    accept = (spec.acceptance_by_position() + [0.0] * k_max)[:k_max]
-    if plain.output_tokens_per_s <= 0 or spec.output_tokens_per_s <= 0 or spec.counters.spec_drafts == 0:
-        return {0: 1.0, k_max: spec.output_tokens_per_s / plain.output_tokens_per_s if plain.output_tokens_per_s else 0.0}
-    measured = spec.output_tokens_per_s / plain.output_tokens_per_s
-    gain = 1 + sum(accept)
-    beta = max((gain / measured - 1) / k_max, 0.0)
-    out = {0: 1.0}
-    for k in range(1, k_max + 1):
-        out[k] = (1 + sum(accept[:k])) / (1 + beta * k)
-    out[k_max] = measured  # measured, not predicted
-    return out
-
-
-def choose(spec: Phase, plain: Phase, min_draft_tokens: int = 2) -> tuple[int, dict]:
-    """The draft length to run the job with (0 = none), and the numbers behind the choice."""
-    ratios = predict(spec, plain)
-    allowed = {k: r for k, r in ratios.items() if k == 0 or k >= min_draft_tokens}
-    best = max(allowed, key=lambda k: (allowed[k], -k))  # ties go to fewer drafts
-    return best, {
-        "chosen_draft_tokens": best,
-        "relative_throughput": {str(k): round(r, 4) for k, r in sorted(allowed.items())},
-        "phases": [plain.to_dict(), spec.to_dict()],
-    }
-
-
-def speculative_config(base: dict, k: int) -> Optional[dict]:
-    """vLLM's speculative_config for k draft tokens (None for k = 0)."""
-    return None if k == 0 else {**base, "num_speculative_tokens": k}
-
-
-def with_speculative(job: Job, speculative: Optional[dict]) -> Job:
-    """The job with another speculative setting (None: no speculation)."""
-    spec = SpeculativeSpec(**speculative) if speculative else None
-    return job.model_copy(update={"engine": job.engine.model_copy(update={"speculative": spec})})
 
 
 @dataclass
@@ -79,6 +39,7 @@ class CalibrationContext:
     rows_todo: int  # rows this run generates: what a choice can win back on
     run_id: Optional[int] = None
     force: bool = False  # measure even when a choice is stored, and whatever it costs
+    verify_gate: bool = True  # leave out settings a stored verification failed (--no-verify: keep them)
 
     @property
     def key_sha256(self) -> str:
@@ -101,8 +62,9 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
         engines.start(with_speculative(job, speculative))
         kv = engines.engine.info.kv_total_blocks
         if cached["kv_total_blocks"] is None or cached["kv_total_blocks"] == kv:
-            return {"chosen_draft_tokens": cached["chosen_draft_tokens"], "key_sha256": ctx.key_sha256,
-                    "reused_calibration_id": cached["id"], "measured_at_utc": cached["created_at_utc"]}, source
+            return {"chosen_draft_tokens": cached["chosen_draft_tokens"], "chosen": speculative,
+                    "key_sha256": ctx.key_sha256, "reused_calibration_id": cached["id"],
+                    "measured_at_utc": cached["created_at_utc"]}, source
         stale = f"the engine's KV cache changed from {cached['kv_total_blocks']} to {kv} blocks"
         if speculative is not None:
             engines.start(with_speculative(job, None))
@@ -114,22 +76,20 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
         record["remeasured_because"] = stale
     record["calibration_s"] = round(engines.clock() - t0, 3)
     if measured is not None:
-        k, engine_start_s = measured, sum(engines.starts) / len(engines.starts)
+        k = measured["num_speculative_tokens"] if measured else 0
         record["stored_draft_tokens"] = k
         record["calibration_id"] = ctx.store.save_calibration(
             key=ctx.key, key_sha256=ctx.key_sha256, job_name=job.name, run_id=ctx.run_id, chosen_draft_tokens=k,
-            speculative=speculative_config(job.engine.calibration.ngram, k),
-            kv_total_blocks=engines.engine.info.kv_total_blocks if engines.engine else None,
-            engine_start_s=engine_start_s, record=record)
+            speculative=measured or None, kv_total_blocks=engines.engine.info.kv_total_blocks if engines.engine else None,
+            engine_start_s=sum(engines.starts) / len(engines.starts), record=record)
     return record, source
 
 
 def _measure(job: Job, engines, loop, source: Iterator[Request], ctx: CalibrationContext
-             ) -> tuple[dict, Iterator[Request], Optional[int]]:
+             ) -> tuple[dict, Iterator[Request], Optional[dict]]:
     """Measure with the plain engine started. Returns the record, the rest of the source and the
-    choice to store (None when nothing was decided by measurement)."""
+    choice to store (a speculative_config, {} for none; None when measuring decided nothing)."""
     cal = job.engine.calibration
-    k_max = cal.max_draft_tokens
     head = list(itertools.islice(source, 16))
     if not head:
         return {"chosen_draft_tokens": 0, "skipped": "no rows to run"}, iter(()), None
@@ -141,49 +101,98 @@ def _measure(job: Job, engines, loop, source: Iterator[Request], ctx: Calibratio
         # A large batch is compute-bound: verifying drafts costs more than they save, and slices
         # of calibration.rows would run far below the main pass's concurrency. Not measured.
         return {"chosen_draft_tokens": 0, "expected_batch": batch,
-                "skipped": f"the engine runs about {batch} requests at once (calibration.max_batch: {cal.max_batch})"}, source, 0
+                "skipped": f"the engine runs about {batch} requests at once (calibration.max_batch: {cal.max_batch})"}, source, {}
     taken = _Taken()
     engines.warmup(typical)
     plain = engines.run(loop, taken.slice(source, cal.rows), 0)
+    base = {"expected_batch": batch, "phases": [plain.to_dict()]}
     if taken.short:  # the whole job fit in the first slice: nothing is left to speculate on
-        return {"chosen_draft_tokens": 0, "expected_batch": batch, "phases": [plain.to_dict()],
-                "skipped": "the job ended within the first slice"}, source, None
-    worth = _worth_measuring(cal, plain, engines.last_start_s, ctx.rows_todo - plain.rows)
-    if not ctx.force and not worth["measure"]:
-        return {"chosen_draft_tokens": 0, "expected_batch": batch, "phases": [plain.to_dict()], "cost_rule": worth,
-                "skipped": (f"measuring drafts would cost about {worth['cost_s']:.0f} s of engine starts, more than "
-                            f"the {worth['win_s']:.0f} s they could save on the {worth['rows_left']} rows left")}, source, None
-    engines.start(with_speculative(job, speculative_config(cal.ngram, k_max)))
-    engines.warmup(typical)
-    spec = engines.run(loop, taken.slice(source, cal.rows), k_max)
-    best, record = choose(spec, plain, cal.min_draft_tokens)
-    record |= {"expected_batch": batch, "cost_rule": worth}
-    running, measured = k_max, best in (0, k_max)
-    if best not in (0, k_max) and not taken.short:  # a predicted length: measure it before trusting it
-        engines.start(with_speculative(job, speculative_config(cal.ngram, best)))
+        return base | {"chosen_draft_tokens": 0, "skipped": "the job ended within the first slice"}, source, None
+    candidates, excluded = _candidates(job, ctx)
+    worth = _worth_measuring(cal, plain, engines.last_start_s, ctx.rows_todo - plain.rows, len(candidates))
+    base |= {"cost_rule": worth, "excluded": excluded}
+    if not candidates or (not ctx.force and not worth["measure"]):
+        why = ("no candidate passed verification" if not candidates else
+               f"measuring drafts would cost about {worth['cost_s']:.0f} s of engine starts, more than "
+               f"the {worth['win_s']:.0f} s they could save on the {worth['rows_left']} rows left")
+        return base | {"chosen_draft_tokens": 0, "skipped": why}, source, None
+    trials = []
+    for c in candidates:
+        if taken.short:
+            break
+        engines.start(with_speculative(job, speculative_config(c.base, c.max_draft_tokens)))
+        engines.warmup(typical)
+        phase = engines.run(loop, taken.slice(source, cal.rows), c.max_draft_tokens)
+        base["phases"].append(phase.to_dict())
+        trials.append((c, phase) + choose(phase, plain, cal.min_draft_tokens))
+    return _settle(job, engines, loop, source, taken, plain, trials, base, typical)
+
+
+def _settle(job: Job, engines, loop, source, taken, plain: Phase, trials: list, record: dict, typical: Request
+            ) -> tuple[dict, Iterator[Request], Optional[dict]]:
+    """Pick the best measured candidate, measure a predicted draft length before trusting it, and
+    leave the chosen engine started."""
+    cal = job.engine.calibration
+    if not trials:  # the job ended in the plain slice's wake
+        return record | {"chosen_draft_tokens": 0, "skipped": "the job ended during calibration"}, source, None
+    c, phase, best, rec = max(trials, key=lambda t: t[3]["relative_throughput"][str(t[2])])
+    record |= {"chosen_method": c.name if best else None, "relative_throughput": rec["relative_throughput"],
+               "candidates": {t[0].name: t[3]["relative_throughput"] for t in trials}}
+    running = trials[-1][1].draft_tokens_setting if trials else 0
+    measured = best in (0, c.max_draft_tokens)
+    if best not in (0, c.max_draft_tokens) and not taken.short:  # a predicted length: measure it first
+        engines.start(with_speculative(job, speculative_config(c.base, best)))
         engines.warmup(typical)
         running = best
         check = engines.run(loop, taken.slice(source, cal.rows), best)
         measured = not taken.short  # a check on the job's last few rows decides this run, not later ones
         record["phases"].append(check.to_dict())
         if check.output_tokens_per_s < plain.output_tokens_per_s:
-            best = record["chosen_draft_tokens"] = 0
+            best = 0
+    record["chosen_draft_tokens"] = best
+    chosen = speculative_config(c.base, best) if best else None
+    record["chosen"] = chosen
     if taken.short:  # the job ended in a slice: the engine that ran it finished it, no restart
         record["chosen_draft_tokens"] = running
         record["skipped"] = f"the job ended during calibration (would have chosen {best} draft tokens)"
-    elif best == 0:
-        engines.start(with_speculative(job, None))
-    return record, source, best if measured else None
+    elif engines.speculative != chosen:
+        engines.start(with_speculative(job, chosen))
+    return record, source, (chosen or {}) if measured else None
 
 
-def _worth_measuring(cal, plain: Phase, start_s: float, rows_left: int) -> dict:
-    """The cost rule of a first run: measuring drafts starts up to two more engines (a drafting one,
-    then the plain one again if drafts lose); it pays only if the best plausible speed-up
+def _candidates(job: Job, ctx: CalibrationContext, gate: bool = True) -> tuple[list[Candidate], list[str]]:
+    """The job's candidates with their drafts found, less (with `gate`) those a stored
+    verification failed."""
+    cal, verify = job.engine.calibration, job.engine.verify
+    out, excluded = [], []
+    for spec in cal.candidate_list():
+        model = spec.model
+        if model == "distilled":
+            draft = ctx.store.latest_draft(job.name)
+            if draft is None:
+                excluded.append("draft_model:distilled (no draft made yet: runner distill)")
+                continue
+            model = draft["path"]
+        elif model:
+            model = str(resolve_model(model, job.engine_config_path.parent))
+        c = candidate(spec, model, cal.max_draft_tokens)
+        v = ctx.store.latest_verification(ctx.key_sha256, setting_key(c.base)) if gate and ctx.verify_gate else None
+        if v is not None and v["agreement"] < verify.min_agreement:
+            excluded.append(f"{c.name} (verified: {v['agreement']:.1%} of greedy outputs unchanged, "
+                            f"verify.min_agreement {verify.min_agreement:.0%})")
+            continue
+        out.append(c)
+    return out, excluded
+
+
+def _worth_measuring(cal, plain: Phase, start_s: float, rows_left: int, candidates: int = 1) -> dict:
+    """The cost rule of a first run: measuring drafts starts an engine per candidate, then the
+    plain one again if drafts lose; it pays only if the best plausible speed-up
     (calibration.assumed_max_speedup) would save more than that on the rows left."""
     per_row_s = plain.generation_s / plain.rows if plain.rows else 0.0
     remaining_s = max(rows_left, 0) * per_row_s
     win_s = remaining_s * (1 - 1 / cal.assumed_max_speedup)
-    cost_s = 2 * start_s
+    cost_s = (candidates + 1) * start_s
     return {"measure": cost_s < win_s, "cost_s": round(cost_s, 2), "win_s": round(win_s, 2),
             "rows_left": max(rows_left, 0), "engine_start_s": round(start_s, 2)}
 

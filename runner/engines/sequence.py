@@ -43,6 +43,7 @@ class EngineSequence:
         self.factory, self.on_start = factory, on_start
         self.clock = clock  # injected: tests run calibration on a fake clock
         self.engine: Optional[Engine] = None
+        self.speculative: Optional[dict] = None
         self.load_s = self.gen_s = 0.0
         self.starts: list[float] = []  # seconds each engine took to start
         self.used = EngineCounters()
@@ -51,6 +52,8 @@ class EngineSequence:
 
     def start(self, job) -> Engine:
         self.stop()
+        spec = job.engine.speculative
+        self.speculative = spec.model_dump() if hasattr(spec, "model_dump") else None  # what the engine drafts with
         t0 = self.clock()
         self.engine = self.factory(job)
         self.starts.append(self.clock() - t0)

@@ -70,7 +70,7 @@ class VllmEngine(Engine):
         self._params: dict[tuple[int, bool], Any] = {}
         self._ids = itertools.count()
         self._internal: dict[str, str] = {}  # some versions report an internal request id in outputs
-        self._deltas: dict[str, tuple[list[str], int]] = {}  # leader id -> text pieces and tokens so far
+        self._deltas: dict[str, tuple[list[str], list[int]]] = {}  # leader id -> text pieces and token ids so far
         self._preempted = 0
         self._last_check = self._last_poll = time.perf_counter()
         # Where the driver's time goes (stored with the run's stats): waiting on the engine core in
@@ -137,7 +137,7 @@ class VllmEngine(Engine):
             if isinstance(got, str) and got != rid:
                 self._internal[got] = rid
             if a.leader:
-                self._deltas[rid] = ([], 0)
+                self._deltas[rid] = ([], [])
             self.feed.sent(rid, a)
         self.loop["add_request_s"] += time.perf_counter() - t0
         self.loop["max_in_flight_seen"] = max(self.loop["max_in_flight_seen"], len(self.feed.in_flight))
@@ -161,9 +161,9 @@ class VllmEngine(Engine):
             if rid is None:
                 continue
             if rid in self._deltas:
-                pieces, n = self._deltas[rid]
+                pieces, ids = self._deltas[rid]
                 pieces.append(out.outputs[0].text)
-                self._deltas[rid] = (pieces, n + len(out.outputs[0].token_ids))
+                ids.extend(out.outputs[0].token_ids)
             if not out.finished:
                 self.feed.progressed(rid)
                 continue
@@ -186,15 +186,17 @@ class VllmEngine(Engine):
         self._preempted = seen
 
     @staticmethod
-    def _completion(req: Request, out, t0: float, streamed: Optional[tuple[list[str], int]] = None) -> Completion:
+    def _completion(req: Request, out, t0: float, streamed: Optional[tuple[list[str], list[int]]] = None) -> Completion:
         c = out.outputs[0]
         metrics = getattr(out, "metrics", None)
+        token_ids = streamed[1] if streamed else list(c.token_ids)
         return Completion(
             row_id=req.row_id,
             text="".join(streamed[0]) if streamed else c.text,
             finish_reason=c.finish_reason,
+            token_ids=token_ids,
             prompt_tokens=len(out.prompt_token_ids or req.prompt_token_ids),
-            completion_tokens=streamed[1] if streamed else len(c.token_ids),
+            completion_tokens=len(token_ids),
             cached_prompt_tokens=out.num_cached_tokens or 0,
             latency_ms=(time.perf_counter() - t0) * 1000.0,
             preemptions=getattr(metrics, "num_preemptions", 0) or 0,

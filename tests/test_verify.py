@@ -1,0 +1,86 @@
+"""runner verify: greedy outputs with and without drafts compared, stored, and respected by runs."""
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from click.testing import CliRunner
+
+from runner.cli import cli
+from runner.engines.fake import FakeEngine
+from runner.run import run_job
+from runner.spec import load_job
+from runner.verify import compare, verify_job
+from tests.conftest import SCHEMA
+
+CHANGED = {"r001", "r004"}  # rows whose output drafts change, in these tests
+
+
+def drifting_factory(started: list):
+    """Engines whose answers change for two rows when they draft (as numerics can make them)."""
+    def factory(j):
+        drafting = j.engine.speculative is not None
+        started.append(drafting)
+
+        def respond(r):
+            summary = "changed" if drafting and r.row_id in CHANGED else f"fake {r.row_id}"
+            return json.dumps({"summary": summary, "sentiment": "neutral"})
+
+        return FakeEngine(SCHEMA, respond=respond)
+    return factory
+
+
+def test_compare_counts_identical_outputs_and_fields():
+    a = {"x": ("ok", '{"s": 1, "t": 2}', ""), "y": ("ok", '{"s": 1, "t": 2}', ""), "z": ("truncated", None, "{")}
+    b = {"x": ("ok", '{"s": 1, "t": 2}', ""), "y": ("ok", '{"s": 9, "t": 2}', ""), "z": ("truncated", None, "{")}
+    agreement, fields, diffs = compare(a, b, ["s", "t"])
+    assert agreement == 2 / 3 and fields == {"s": round(2 / 3, 4), "t": 1.0}
+    assert diffs == [{"row_id": "y", "without": '{"s": 1, "t": 2}', "with": '{"s": 9, "t": 2}'}]
+
+
+def test_verify_stores_agreement_and_the_rows_that_differ(make_job):
+    job = load_job(make_job(rows=10))  # the test config's ngram k=3
+    started = []
+    [v] = verify_job(job, rows=10, engine_factory=drifting_factory(started))
+    assert started == [False, True]  # the same rows without drafts, then with them
+    assert v.rows == 10 and v.agreement == 0.8 and v.field_agreement == {"summary": 0.8, "sentiment": 1.0}
+    assert sorted(d["row_id"] for d in v.differences) == sorted(CHANGED)
+    assert v.setting["method"] == "ngram" and "num_speculative_tokens" not in v.setting and v.draft_tokens == 3
+    con = sqlite3.connect(job.database_path)
+    assert con.execute("SELECT rows, agreement FROM verifications").fetchall() == [(10, 0.8)]
+    assert con.execute("SELECT count(*) FROM results").fetchone()[0] == 0  # nothing stored as results
+
+
+def test_a_run_drops_a_setting_that_failed_verification_unless_told_not_to(make_job):
+    job = load_job(make_job(rows=10))
+    verify_job(job, rows=10, engine_factory=drifting_factory([]))
+    started, notes = [], []
+    run_job(job, engine_factory=drifting_factory(started), notify=notes.append)
+    assert started == [False] and "80.0% of greedy outputs unchanged" in notes[0]
+    con = sqlite3.connect(job.database_path)
+    assert "runner verify found ngram" in json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])["notes"][0]
+    started.clear()
+    run_job(job, engine_factory=drifting_factory(started), restart=True, verify_gate=False)
+    assert started == [True]
+
+
+def test_auto_leaves_out_a_candidate_that_failed_verification(make_job):
+    auto = {"speculative": "auto", "calibration": {"rows": 3, "candidates": [{"method": "ngram", "max_draft_tokens": 3,
+                                                                          "options": {"prompt_lookup_max": 3}}]}}
+    job = load_job(make_job(rows=12, engine=auto))
+    [v] = verify_job(job, rows=10, engine_factory=drifting_factory([]))
+    assert v.agreement == 0.8
+    started = []
+    run_job(job, engine_factory=drifting_factory(started), recalibrate=True)
+    cal = json.loads(sqlite3.connect(job.database_path).execute(
+        "SELECT engine_choice_json FROM run_stats").fetchone()[0])["speculative_calibration"]
+    assert started == [False] and cal["skipped"] == "no candidate passed verification"
+    assert cal["excluded"][0].startswith("ngram (verified: 80.0%")
+
+
+def test_verify_command_prints_the_verdict_and_differences(make_job):
+    out = CliRunner().invoke(cli, ["verify", "--engine", "fake", "--rows", "4", str(make_job(rows=6))])
+    assert out.exit_code == 0, out.output
+    assert "100.0% of 4 rows unchanged; passes" in out.output and "field summary" in out.output
+    out = CliRunner().invoke(cli, ["verify", "--engine", "fake", str(make_job(rows=3, engine={"speculative": None}))])
+    assert "Nothing to verify" in out.output
