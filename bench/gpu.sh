@@ -4,7 +4,9 @@
 # Each call of the lending tool lays the working tree anew, so the benchmark runs from a copy, in
 # the background, across calls:
 #   bash bench/gpu.sh start [bench.py options]   |   bash bench/gpu.sh wait SECONDS
+# BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 set -u
+BENCH="${BENCH:-bench/bench.py}"
 export PYTHONPATH=/tmp/site VLLM_CACHE_ROOT=/tmp/vllm-cache RUNNER_CACHE=/tmp/runner-cache PYTHONUNBUFFERED=1 \
        HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled
 case "$1" in
@@ -12,13 +14,13 @@ start)
   shift
   rm -rf /tmp/proj && cp -r . /tmp/proj && cd /tmp/proj
   machine="$(nvidia-smi -L | wc -l)x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(nproc) cores, vllm 0.26.0"
-  BENCH_COMMIT="${BENCH_COMMIT:-unknown}" setsid nohup python3 bench/bench.py --model /tmp/smollm2 \
+  BENCH_COMMIT="${BENCH_COMMIT:-unknown}" setsid nohup python3 "$BENCH" --model /tmp/smollm2 \
     --machine "$machine" --out /tmp/e2e.json --workdir /tmp/rb "$@" > /tmp/bench.log 2>&1 < /dev/null &
   sleep 30; grep -vE "WARNING|INFO|^\s*$" /tmp/bench.log | tail -5 ;;
 wait)
   end=$(( $(date +%s) + $2 ))
-  while [ "$(date +%s)" -lt "$end" ] && pgrep -f bench/bench.py >/dev/null; do sleep 5; done
-  pgrep -f bench/bench.py >/dev/null && echo "still running" || echo "finished"
-  grep -E "doc/s|ERROR|runs planned" /tmp/bench.log | tail -40
+  while [ "$(date +%s)" -lt "$end" ] && pgrep -f "$BENCH" >/dev/null; do sleep 5; done
+  pgrep -f "$BENCH" >/dev/null && echo "still running" || echo "finished"
+  grep -E "doc/s|ERROR|Error|failed|runs planned|Traceback" /tmp/bench.log | tail -40
   cp /tmp/e2e.json /tmp/bench.log "$OUT"/ 2>/dev/null ;;
 esac

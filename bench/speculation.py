@@ -31,26 +31,30 @@ sys.path.insert(0, str(ROOT))
 
 def runner(*args, check=True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "runner.cli", *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
     if check and proc.returncode not in (0, 65):
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return proc
 
 
-def make_incidents_job(work: Path, rows: int) -> Path:
-    """A second job of another shape: incident reports (bench/workload.py), 32 short prompts,
-    a 7-field schema with a list, longer outputs, on the embedded model."""
-    from bench.workload import write_workload
+def make_workload_job(kind: str, work: Path, rows: int, config: Path, model: str | None, blocks: int | None) -> Path:
+    """A job over bench/workload.py's documents: `incidents` (32 short prompts, a 7-field schema
+    with a list, longer outputs) or `invoices` (64 prompts of ~900 tokens, the GPU workload)."""
+    from bench.workload import WORKLOADS, write_workload
 
-    data = work / "incidents-data"
-    write_workload(data, rows, 32, 140, kind="incidents")
-    job = {"name": "incidents", "input": {"path": str(data / "documents.parquet"), "id_column": "doc_id",
-                                          "text_column": "text", "system_prompt_column": "system_prompt"},
-           "output_schema": str(data / "schema.json"), "engine": {"config": str(ROOT / "configs" / "smollm2-cpu.yaml")},
-           "sampling": {"temperature": 0, "max_tokens": 320, "seed": 0},
-           "output": {"database": str(data / "results.sqlite"), "commit_every_rows": 32, "max_failed_fraction": 1.0}}
-    (data / "job.yaml").write_text(yaml.safe_dump(job))
-    return data / "job.yaml"
+    data = work / f"{kind}-data"
+    prompts, words, max_tokens = {"incidents": (32, 140, 320), "invoices": (64, 650, WORKLOADS["invoices"][5])}[kind]
+    write_workload(data, rows, prompts, words, kind=kind)
+    engine = {"config": str(Path(config).resolve()), "speculative": None} | ({"model": model} if model else {}) | (
+        {"num_gpu_blocks_override": blocks} if blocks else {})
+    job = {"name": kind, "input": {"path": str(data / "documents.parquet"), "id_column": "doc_id",
+                                   "text_column": "text", "system_prompt_column": "system_prompt"},
+           "output_schema": str(data / "schema.json"), "engine": engine,
+           "sampling": {"temperature": 0, "max_tokens": max_tokens, "seed": 0},
+           "output": {"database": str(data / "results.sqlite"), "commit_every_rows": 64, "max_failed_fraction": 1.0}}
+    (data / f"{kind}.yaml").write_text(yaml.safe_dump(job))
+    return data / f"{kind}.yaml"
 
 
 def held_out_job(job_path: Path, work: Path, holdout: float) -> dict:
@@ -113,19 +117,26 @@ def verify(spec: dict, work: Path, speculative: dict, rows: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", required=True, help="a job file, or `incidents` for bench/workload.py's incident reports")
-    ap.add_argument("--rows", type=int, default=300, help="rows of the incidents job")
+    ap.add_argument("--job", required=True, help="a job file, or `incidents` / `invoices` for bench/workload.py's")
+    ap.add_argument("--rows", type=int, default=300, help="rows of a bench/workload.py job")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2-cpu.yaml"), help="engine config of a workload job")
+    ap.add_argument("--model", default=None, help="model folder of a workload job (default: the config's)")
+    ap.add_argument("--tight-blocks", type=int, default=None, help="num_gpu_blocks_override of a workload job")
+    ap.add_argument("--no-auto", action="store_true", help="skip the speculative: auto run")
+    ap.add_argument("--machine", default="this CPU machine")
     ap.add_argument("--workdir", default="/tmp/runner-speculation")
     ap.add_argument("--holdout", type=float, default=0.2)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--ngram", default="2,3,4,5,6")
     ap.add_argument("--draft", default="2,3,4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--verify-rows", type=int, default=128, help="held-out rows each verify compares")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    if a.job == "incidents":
-        (Path(a.workdir) / "incidents").mkdir(parents=True, exist_ok=True)
-        job_path = make_incidents_job(Path(a.workdir) / "incidents", a.rows)
+    if a.job in ("incidents", "invoices"):
+        (Path(a.workdir) / a.job).mkdir(parents=True, exist_ok=True)
+        job_path = make_workload_job(a.job, Path(a.workdir) / a.job, a.rows, Path(a.config), a.model, a.tight_blocks)
     else:
         job_path = Path(a.job).resolve()
     work = Path(a.workdir) / job_path.stem
@@ -137,34 +148,56 @@ def main() -> None:
     spec = held_out_job(job_path, work, a.holdout)
     ngram = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     draft = {"method": "draft_model", "model": str(work / "draft")}
-    runs = [run_config(spec, work, "off", None)]
-    runs += [run_config(spec, work, f"ngram_k{k}", ngram | {"num_speculative_tokens": int(k)}) for k in a.ngram.split(",")]
-    runs += [run_config(spec, work, f"draft_k{k}", draft | {"num_speculative_tokens": int(k)}) for k in a.draft.split(",")]
+    configs = [("off", None, None)]
+    configs += [(f"ngram_k{k}", ngram | {"num_speculative_tokens": int(k)}, None) for k in a.ngram.split(",")]
+    configs += [(f"draft_k{k}", draft | {"num_speculative_tokens": int(k)}, None) for k in a.draft.split(",")]
     candidates = [{"method": "ngram", "options": {"prompt_lookup_max": 4, "prompt_lookup_min": 2}},
                   {"method": "draft_model", "model": str(work / "draft"), "max_draft_tokens": max(map(int, a.draft.split(",")))}]
-    # --recalibrate: measure whatever it costs (the cost rule would skip measuring on so few rows).
-    runs.append(run_config(spec, work, "auto", "auto", {"rows": 12, "candidates": candidates}, "--recalibrate"))
-    for r in runs:
-        print(f"{r['config']:<10} {r['process_s']:>7.1f} s  {r['documents_per_s']:>6.2f} doc/s  "
-              f"accept {r['acceptance'] if r['acceptance'] is None else round(r['acceptance'], 3)} {r['acceptance_by_position']}",
-              file=sys.stderr, flush=True)
-    summary = summarize(runs, spec, work, ngram, draft)
-    doc = {"date": date.today().isoformat(), "job": str(job_path), "rows_held_out": runs[0]["rows"],
+    if not a.no_auto:
+        configs.append(("auto", "auto", {"rows": 12, "candidates": candidates}))
+    runs = []
+    for rep in range(a.repeats):  # interleaved: each round runs every configuration once
+        for name, speculative, calibration in configs:
+            # --recalibrate: auto measures whatever it costs (the cost rule would skip so few rows).
+            r = run_config(spec, work, name, speculative, calibration, *(["--recalibrate"] if calibration else []))
+            runs.append(r | {"repeat": rep})
+            if a.out:  # partial results survive a deadline
+                Path(a.out).write_text(json.dumps({"partial": True, "machine": a.machine, "runs": runs}, indent=1))
+            print(f"{r['config']:<10} {r['process_s']:>7.1f} s  {r['documents_per_s']:>6.2f} doc/s  "
+                  f"accept {r['acceptance'] if r['acceptance'] is None else round(r['acceptance'], 3)} "
+                  f"{r['acceptance_by_position']}", file=sys.stderr, flush=True)
+    summary = summarize(runs, spec, work, ngram, draft, a.verify_rows)
+    doc = {"date": date.today().isoformat(), "machine": a.machine, "commit": os.environ.get("BENCH_COMMIT"),
+           "job": str(job_path), "rows_held_out": runs[0]["rows"],
            "distill": distilled.stdout, **summary, "runs": runs}
     print(json.dumps({k: v for k, v in doc.items() if k not in ("runs",)}, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=1, default=str))
 
 
-def summarize(runs: list[dict], spec: dict, work: Path, ngram: dict, draft: dict) -> dict:
-    by = {r["config"]: r for r in runs}
+def medians(runs: list[dict]) -> dict[str, dict]:
+    """One row per configuration: the median run by documents/s, with the spread beside it."""
+    import statistics
+
+    out = {}
+    for name in dict.fromkeys(r["config"] for r in runs):
+        mine = sorted((r for r in runs if r["config"] == name), key=lambda r: r["documents_per_s"])
+        rates = [r["documents_per_s"] for r in mine]
+        out[name] = mine[len(mine) // 2] | {"documents_per_s": round(statistics.median(rates), 3),
+                                            "documents_per_s_min_max": [rates[0], rates[-1]],
+                                            "process_s": round(statistics.median(r["process_s"] for r in mine), 1)}
+    return out
+
+
+def summarize(runs: list[dict], spec: dict, work: Path, ngram: dict, draft: dict, verify_rows: int) -> dict:
+    by = medians(runs)
     off = by["off"]["documents_per_s"]
     fixed = {n: r for n, r in by.items() if n != "auto"}
     best_draft = max((r for n, r in by.items() if n.startswith("draft")), key=lambda r: r["documents_per_s"])
     best_ngram = max((r for n, r in by.items() if n.startswith("ngram")), key=lambda r: r["documents_per_s"])
     best = max(fixed.values(), key=lambda r: r["documents_per_s"])
-    rows = by["off"]["rows"]
-    cal = by["auto"]["calibration"] or {}
+    rows = min(by["off"]["rows"], verify_rows)
+    cal = (by["auto"]["calibration"] if "auto" in by else None) or {}
     picked = cal.get("chosen") or {}
     kind = {"ngram": "ngram", "draft_model": "draft"}.get(picked.get("method"), "off")
     chosen = by.get(f"{kind}_k{picked.get('num_speculative_tokens')}" if picked else "off", by["off"])
@@ -179,9 +212,11 @@ def summarize(runs: list[dict], spec: dict, work: Path, ngram: dict, draft: dict
         "verify_agreement": verified[0]["agreement"], "verify_agreement_ngram": verified[1]["agreement"],
         # What auto chose, run as a fixed setting, against the best fixed setting (auto's own run
         # also paid for its calibration slices: auto_documents_per_s).
-        "auto_vs_best_candidate": round(chosen["documents_per_s"] / best["documents_per_s"], 3),
-        "auto_choice": chosen["config"], "auto_documents_per_s": by["auto"]["documents_per_s"],
-        "best_fixed": best["config"], "verifications": verified,
+        "auto_vs_best_candidate": round(chosen["documents_per_s"] / best["documents_per_s"], 3) if "auto" in by else None,
+        "auto_choice": chosen["config"] if "auto" in by else None,
+        "auto_documents_per_s": by["auto"]["documents_per_s"] if "auto" in by else None,
+        "off_process_s": by["off"]["process_s"], "distilled_process_s": best_draft["process_s"],
+        "best_fixed": best["config"], "verifications": verified, "medians": by,
     }
 
 

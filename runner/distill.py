@@ -32,6 +32,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
+MEASURE_ROWS = 64  # held-out rows whose acceptance is measured: one generate call per 4 output tokens
+
+
 class DistillError(RunnerError):
     exit_code = 2
 
@@ -116,15 +119,16 @@ def _train_and_save(job: Job, out: Path, opts: DistillOptions, train: list[Examp
         raise ModelError(f"distilling a draft needs torch and transformers: {exc}") from None
     torch.manual_seed(opts.seed)
     target = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=torch.float32)
-    draft = truncated(target, opts.layers)
+    draft = truncated(target, opts.layers).to("cuda" if torch.cuda.is_available() else "cpu")
     del target
     t0 = time.perf_counter()
     losses = _fit(draft, train, opts, progress)
     train_s = time.perf_counter() - t0
-    acceptance = acceptance_by_position(draft, test, opts.draft_tokens)
+    acceptance = acceptance_by_position(draft, test[:MEASURE_ROWS], opts.draft_tokens)
     _save(draft, job.model_path, out)
     return {"options": asdict(opts), "losses": losses, "train_s": round(train_s, 1),
-            "held_out_rows": len(test), "held_out_acceptance_by_position": acceptance,
+            "held_out_rows": len(test), "measured_rows": min(len(test), MEASURE_ROWS),
+            "held_out_acceptance_by_position": acceptance,
             "held_out_acceptance": round(sum(acceptance) / len(acceptance), 4) if acceptance else None}
 
 
@@ -164,7 +168,7 @@ def _fit(draft, train: list[Example], opts: DistillOptions, progress) -> list[fl
         rng.shuffle(order)
         total = 0.0
         for ex in order:
-            ids = torch.tensor([ex.prompt + ex.output])
+            ids = _tensor(ex.prompt + ex.output, draft)
             hidden = draft.model(input_ids=ids[:, :-1]).last_hidden_state[:, len(ex.prompt) - 1:]
             logits = draft.lm_head(hidden)
             loss = torch.nn.functional.cross_entropy(logits[0], ids[0, len(ex.prompt):])
@@ -182,6 +186,12 @@ def _fit(draft, train: list[Example], opts: DistillOptions, progress) -> list[fl
     return losses
 
 
+def _tensor(ids: list[int], model):
+    import torch
+
+    return torch.tensor([ids], device=model.device)
+
+
 def acceptance_by_position(draft, test: list[Example], k: int, every: int = 4) -> list[float]:
     """How often the i-th of k greedy draft tokens would be accepted against the target's actual
     output (every `every`-th output position as a starting point): a draft token counts only if
@@ -192,7 +202,7 @@ def acceptance_by_position(draft, test: list[Example], k: int, every: int = 4) -
     with torch.no_grad():
         for ex in test:
             for t in range(0, len(ex.output) - 1, every):
-                prefix = torch.tensor([ex.prompt + ex.output[:t]])
+                prefix = _tensor(ex.prompt + ex.output[:t], draft)
                 guess = draft.generate(prefix, max_new_tokens=k, do_sample=False, pad_token_id=0)[0, prefix.shape[1]:]
                 starts += 1
                 for i, (g, truth) in enumerate(zip(guess.tolist(), ex.output[t:t + k])):
@@ -206,7 +216,7 @@ def _save(draft, source: Path, out: Path) -> None:
     """A plain Hugging Face folder, written beside its place and renamed (never half written)."""
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    draft.save_pretrained(tmp)
+    draft.to("cpu").save_pretrained(tmp)
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy(source / name, tmp / name)
