@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--ngram", default="2,3,4,5,6")
     ap.add_argument("--draft", default="2,3,4")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--reuse-draft", action="store_true", help="keep a draft an earlier run of this bench distilled")
     ap.add_argument("--verify-rows", type=int, default=128, help="held-out rows each verify compares")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -143,8 +144,11 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if runner("status", job_path, check=False).returncode != 0:
         runner("run", "--quiet", job_path)  # the rows a draft learns from
-    distilled = runner("distill", job_path, "--out", work / "draft", "--layers", a.layers, "--epochs", a.epochs,
-                       "--holdout", a.holdout)
+    if a.reuse_draft and (work / "draft" / "config.json").is_file():
+        distilled = subprocess.CompletedProcess([], 0, stdout=f"reused {work / 'draft'}")
+    else:
+        distilled = runner("distill", job_path, "--out", work / "draft", "--layers", a.layers, "--epochs", a.epochs,
+                           "--holdout", a.holdout)
     spec = held_out_job(job_path, work, a.holdout)
     ngram = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     draft = {"method": "draft_model", "model": str(work / "draft")}

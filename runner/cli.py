@@ -69,8 +69,18 @@ def _progress(spec, quiet: bool):
                               mininterval=0.5 if tty else 30.0, smoothing=0.1)
 
 
+def job_settings(fn):
+    """--set KEY=VALUE, repeatable: a job setting for this command only."""
+    return click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                        help="Override a job setting for this command, e.g. --set engine.max_num_seqs=64 "
+                             "(command line > job file > engine config > defaults). Repeatable.")(fn)
+
+
 @cli.command()
 @click.argument("job", type=click.Path(dir_okay=False))
+@job_settings
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Run only the first N input rows (a smoke run); the rest are left for a later run.")
 @click.option("--restart", is_flag=True, help="Delete this job's stored results and start over.")
 @click.option("--retry-failed", is_flag=True,
               help="Run the rows whose status is not ok again (with the job as it is now); ok rows stay.")
@@ -86,7 +96,7 @@ def _progress(spec, quiet: bool):
 @click.option("--engine", type=click.Choice(["vllm", "fake"]), default="vllm", hidden=True,
               help="Test seam: the fake engine exercises the runner without generating.")
 @reports_errors
-def run(job, restart, retry_failed, wait, quiet, verbose, executor, recalibrate, no_verify, engine):
+def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, executor, recalibrate, no_verify, engine):
     """Run JOB: generate an extraction for every input row and store it in SQLite.
 
     Resumes by default: rows already stored by this version of the job are skipped; rows made by
@@ -100,13 +110,14 @@ def run(job, restart, retry_failed, wait, quiet, verbose, executor, recalibrate,
       runner run --quiet jobs/summarize.yaml    # from cron: prints nothing on success
       runner run --retry-failed jobs/summarize.yaml
       runner run --executor ray jobs/summarize.yaml   # replicas on a Ray cluster (RAY_ADDRESS)
+      runner run --limit 20 --set engine.max_num_seqs=8 jobs/summarize.yaml   # a smoke run
     """
     from runner.engines import build_engine, preload
     from runner.errors import TooManyFailed
     from runner.run import run_job
     from runner.spec import load_job
 
-    spec = load_job(job).with_executor(executor)
+    spec = load_job(job, overrides + ((f"input.limit={limit}",) if limit else ())).with_executor(executor)
     log, redirect = _engine_output(spec, verbose, "run")
     with redirect:
         summary = run_job(
@@ -145,8 +156,9 @@ def _exit_now(executor: str) -> None:
 
 @cli.command()
 @click.argument("job", type=click.Path(dir_okay=False))
+@job_settings
 @reports_errors
-def validate(job):
+def validate(job, overrides):
     """Check JOB without running it: the YAML, engine config, schema, input and model folder.
 
     \b
@@ -157,7 +169,7 @@ def validate(job):
     from runner.readers import LocalReader
     from runner.spec import load_job
 
-    spec = load_job(job)
+    spec = load_job(job, overrides)
     scan = LocalReader(spec.input_path, spec.spec.input).scan()
     model = "ready" if is_model_dir(spec.model_path, weights=spec.engine.needs_weights) else "MISSING (runner prepare-model)"
     say(f"OK: {job}")
@@ -172,8 +184,9 @@ def validate(job):
 
 @cli.command()
 @click.argument("job", type=click.Path(dir_okay=False))
+@job_settings
 @reports_errors
-def plan(job):
+def plan(job, overrides):
     """Show how JOB's rows group by system prompt, and the prefix-cache bound.
 
     The share of prompt tokens that are a shared prefix, counted in whole KV blocks as vLLM
@@ -185,18 +198,18 @@ def plan(job):
     """
     from runner.errors import ModelError
     from runner.plan import summarize_plan
-    from runner.prompting import PromptBuilder
+    from runner.prompting import builder_for
     from runner.readers import LocalReader
     from runner.spec import load_job
 
-    spec = load_job(job)
+    spec = load_job(job, overrides)
     reader = LocalReader(spec.input_path, spec.spec.input)
     reader.scan()
     try:
-        builder = PromptBuilder(spec.model_path, spec.spec.prompts.user_template)
+        builder = builder_for(spec)
     except ModelError:
         builder = None
-    p = summarize_plan(reader.documents(spec.system_prompt), builder, spec.block_tokens)
+    p = summarize_plan(reader.documents(spec.system_source), builder, spec.block_tokens)
     say(f"{'group':<12}  {'rows':>7}  {'prompt tok':>11}  {'system tok':>10}  {'cacheable':>9}  system prompt")
     for g in p.groups:
         share = g.cacheable_tokens / g.prompt_tokens if g.prompt_tokens else 0

@@ -23,7 +23,7 @@ from runner.errors import ModelError, RunnerError
 from runner.fingerprint import result_fingerprint
 from runner.lock import JobLock
 from runner.models import model_fingerprint
-from runner.prompting import PromptBuilder
+from runner.prompting import PromptBuilder, builder_for
 from runner.readers import LocalReader
 from runner.spec import Job
 from runner.store import Store
@@ -68,7 +68,7 @@ def examples(job: Job, store: Store, builder: PromptBuilder, max_rows: Optional[
                            f"(rows stored by runner 0.2 and later have them: run the job again)")
     eos = builder.eos_token_id()
     out = []
-    for doc in LocalReader(job.input_path, job.spec.input).documents(job.system_prompt):
+    for doc in LocalReader(job.input_path, job.spec.input).documents(job.system_source):
         ids = outputs.get(doc.row_id)
         if ids is None:
             continue
@@ -90,7 +90,7 @@ def held_out(row_id: str, share: float) -> bool:
 def distill_job(job: Job, out: Path, opts: DistillOptions, progress: Optional[Callable[[int], object]] = None,
                 wait: bool = False) -> dict:
     """Train, measure and save a draft; record it in the job's database. Returns the record."""
-    builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
+    builder = builder_for(job)
     with JobLock(job.database_path, job.name, wait=wait):
         store = Store(job.database_path)
         try:

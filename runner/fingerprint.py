@@ -60,7 +60,7 @@ def prompt_set_fingerprint(user_template: str, system_prompt_keys: Iterable[str]
 def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
     """What decides the best speculative setting for a job (see runner/engines/calibrate.py)."""
     engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process"})
-    sampling = job.spec.sampling.model_dump(mode="json", exclude={"retry_max_tokens"})
+    sampling = {k: v for k, v in job.spec.sampling.fingerprint_dump().items() if k != "retry_max_tokens"}
     return {
         "model": str(job.model_path),
         "model_fingerprint": model_fingerprint(job.model_path),
@@ -69,7 +69,8 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
         "device": device_name(),
         "schema_sha256": digest(job.output_schema)[:16],
         "sampling": sampling,
-        "prompt_set": prompt_set_fingerprint(job.spec.prompts.user_template, system_prompt_keys, job.system_prompt),
+        "prompt_set": prompt_set_fingerprint(job.spec.prompts.user_template, system_prompt_keys,
+                                             job.system_prompt or job.spec.prompts.system_template),
     }
 
 
@@ -86,10 +87,11 @@ def result_fingerprint(job) -> tuple[str, dict]:
         "model": model_fingerprint(job.model_path),
         "chat_template": files,
         "engine": job.engine.model_dump(mode="json", include={"dtype", "load_format", "max_model_len", "speculative"}),
-        "prompts": spec.prompts.model_dump(mode="json", exclude={"system_file"})
-        | {"system_sha256": hashlib.sha256(job.system_prompt.encode()).hexdigest()[:16] if job.system_prompt else None},
+        "prompts": spec.prompts.fingerprint_dump()
+        | {"system_sha256": hashlib.sha256(job.system_prompt.encode()).hexdigest()[:16] if job.system_prompt else None}
+        | ({"chat_template_sha256": digest(job.chat_template)[:16]} if job.chat_template else {}),
         "output_schema": digest(job.output_schema)[:16],
-        "sampling": spec.sampling.model_dump(mode="json"),
+        "sampling": spec.sampling.fingerprint_dump(),
         "on_too_long": spec.input.on_too_long,
     }
     return digest(components)[:16], components

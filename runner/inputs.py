@@ -138,13 +138,14 @@ def _scan(reader: Reader, seen: RowIds) -> InputScan:
     return InputScan(files=reader.files(), rows=rows, ids=seen, system_prompt_keys=prompt_keys)
 
 
-def read_documents(reader: Reader, system_prompt: Optional[str]) -> Iterator[Document]:
+def read_documents(reader: Reader, system_prompt) -> Iterator[Document]:
     """Stream the input as Documents, one record batch in memory at a time."""
     return documents_from_batches(reader.batches(), reader.spec, system_prompt)
 
 
-def documents_from_batches(batches, spec: InputSpec, system_prompt: str | None) -> Iterator[Document]:
-    """Documents from (file, Arrow record batch) pairs, whoever read them (pyarrow or Ray Data)."""
+def documents_from_batches(batches, spec: InputSpec, system_prompt) -> Iterator[Document]:
+    """Documents from (file, Arrow record batch) pairs, whoever read them (pyarrow or Ray Data).
+    system_prompt: one prompt for every row, or a function of a row's fields (a system template)."""
     for file, batch in batches:
         ids = _id_column(file, batch, spec.id_column).to_pylist()
         texts = _values(_text_column(file, batch, spec.text_column, "input.text_column"))
@@ -154,12 +155,9 @@ def documents_from_batches(batches, spec: InputSpec, system_prompt: str | None) 
             systems = [system_prompt] * len(ids)
         extras = {c: _extra_column(file, batch, c).to_pylist() for c in spec.extra_columns}
         for i, rid in enumerate(ids):
-            yield Document(
-                row_id=rid,
-                text=texts[i],
-                system_prompt=systems[i],
-                fields={c: ("" if v[i] is None else v[i]) for c, v in extras.items()},
-            )
+            fields = {c: ("" if v[i] is None else v[i]) for c, v in extras.items()}
+            yield Document(row_id=rid, text=texts[i], fields=fields,
+                           system_prompt=system_prompt(fields) if callable(system_prompt) else systems[i])
 
 
 def prefetch(items, max_items: int) -> Iterator:

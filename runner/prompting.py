@@ -10,8 +10,9 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
+from runner import chat_template as templates
 from runner.errors import ModelError
 
 
@@ -26,11 +27,13 @@ class Document:
 
 
 class PromptBuilder:
-    """Renders (system, user) with the model's chat template and counts tokens."""
+    """Renders (system, examples, user) with the model's chat template and counts tokens."""
 
-    def __init__(self, model_dir: Path, user_template: str = "{text}"):
+    def __init__(self, model_dir: Path, user_template: str = "{text}", *, examples: Sequence[dict] = (),
+                 chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict] = None):
         self.model_dir = Path(model_dir)
         self.user_template = user_template
+        self.examples = [dict(e) for e in examples]  # user/assistant turns after the system prompt
         tok_file = self.model_dir / "tokenizer.json"
         if not self.model_dir.is_dir():
             raise ModelError(f"{self.model_dir}: model folder not found (engine.model; for the builtin model run: "
@@ -41,55 +44,62 @@ class PromptBuilder:
 
         self._tok = Tokenizer.from_file(str(tok_file))
         self._special_strings = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
-        self._heads: dict[Optional[str], tuple[list[int], str, str]] = {}
+        self._heads: dict[Optional[str], tuple[list[int], Optional[str], str]] = {}
         cfg_file = self.model_dir / "tokenizer_config.json"
         self._tok_cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self._template_override = chat_template
+        # transformers: the special tokens, then the caller's kwargs over them
+        self._variables = {**templates.special_tokens(self.model_dir, self._tok_cfg), **(chat_template_kwargs or {})}
 
     @cached_property
     def _template(self):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        jinja_file = self.model_dir / "chat_template.jinja"
-        source = jinja_file.read_text() if jinja_file.is_file() else self._tok_cfg.get("chat_template")
-        if not source:
-            raise ModelError(f"{self.model_dir}: the tokenizer has no chat template")
-        # The same environment transformers uses for apply_chat_template.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise
-        return env.from_string(source)
+        return templates.compile_template(
+            templates.template_source(self.model_dir, self._tok_cfg, self._template_override))
 
     def user_text(self, doc: Document) -> str:
         return self.user_template.format_map({**doc.fields, "text": doc.text})
 
+    def messages(self, system: Optional[str], user: str) -> list[dict]:
+        """The conversation a prompt renders: system prompt, few-shot turns, the document."""
+        head = [{"role": "system", "content": system}] if system else []
+        return head + [dict(e) for e in self.examples] + [{"role": "user", "content": user}]
+
     def render(self, system: Optional[str], user: str) -> str:
-        """The prompt text, ending where the assistant's answer starts."""
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=True,
-            bos_token=_special(self._tok_cfg.get("bos_token")),
-            eos_token=_special(self._tok_cfg.get("eos_token")),
-        )
+        """The prompt text, ending where the assistant's answer starts: what transformers'
+        apply_chat_template(..., add_generation_prompt=True) gives for the same conversation."""
+        return templates.render(self._template, self.messages(system, user), self._variables)
 
     def prompt_ids(self, system: Optional[str], user: str) -> list[int]:
         """Token ids of the rendered prompt, the same as encode(render(system, user)), but faster.
 
         The part up to the last special token before the user's text depends only on the system
         prompt: it is encoded once per system prompt. Splitting right after a special token is exact,
-        since the tokenizer cuts added tokens out before it tokenizes the text between them.
+        since the tokenizer cuts added tokens out before it tokenizes the text between them. A
+        template that changes the user's text (tojson, trim, escaping) is rendered whole each time.
         """
+        ids, middle, tail = self._head(system)
+        if middle is None:
+            return self.encode(self.render(system, user))
+        return ids + self.encode(middle + user + tail)
+
+    def _head(self, system: Optional[str]) -> tuple[list[int], Optional[str], str]:
+        """(ids of the shared head, text between it and the user's text, text after it); the
+        middle is None when the template does not place the user's text verbatim."""
         head = self._heads.get(system)
         if head is None:
             rendered = self.render(system, _SENTINEL)
-            cut = rendered.index(_SENTINEL)
+            cut = rendered.find(_SENTINEL)
+            if cut < 0:  # the template drops or rewrites the user's text: render every prompt whole
+                cut = len(rendered)
             found = ((rendered.rfind(t, 0, cut), t) for t in self._special_strings)
             split = max((at + len(t) for at, t in found if at >= 0), default=0)
+            before, after = rendered[:cut], rendered[cut + len(_SENTINEL):]
+            verbatim = rendered.count(_SENTINEL) == 1 and self.render(system, _PROBE) == before + _PROBE + after
             if len(self._heads) > 1024:  # bounded: a job with countless system prompts keeps working
                 self._heads.clear()
-            head = self._heads[system] = (self.encode(rendered[:split]) if split else [], rendered[split:cut],
-                                          rendered[cut + len(_SENTINEL):])
-        ids, middle, tail = head
-        return ids + self.encode(middle + user + tail)
+            head = self._heads[system] = (self.encode(rendered[:split]) if split else [],
+                                          rendered[split:cut] if verbatim else None, after)
+        return head
 
     def head_tokens(self, system: Optional[str]) -> int:
         """Tokens every prompt with this system prompt starts with (0 until one was built)."""
@@ -100,10 +110,10 @@ class PromptBuilder:
         """prompt_ids for many user texts under one system prompt; the tokenizer runs them in parallel."""
         if not users:
             return []
-        first = self.prompt_ids(system, users[0])  # fills the head cache for this system prompt
-        ids, middle, tail = self._heads[system]
-        rest = self.encode_batch([middle + u + tail for u in users[1:]])
-        return [first] + [ids + r for r in rest]
+        ids, middle, tail = self._head(system)
+        if middle is None:
+            return self.encode_batch([self.render(system, u) for u in users])
+        return [ids + r for r in self.encode_batch([middle + u + tail for u in users])]
 
     def fit(self, system: Optional[str], doc: Document, ids: list[int], max_model_len: int, max_tokens: int,
             truncate: bool) -> tuple[list[int], Optional[str]]:
@@ -151,6 +161,9 @@ class PromptBuilder:
 
 
 _SENTINEL = "\uE000user-text\uE001"  # private-use characters: never in a template
+# What escaping or trimming templates change: quotes, backslash, newline, markup, non-ASCII, edges.
+_PROBE = ' \t"q\' \\ <a&b> é\n{x} '
+
 
 
 def _special(tok) -> str:
@@ -159,5 +172,9 @@ def _special(tok) -> str:
     return tok or ""
 
 
-def _raise(msg: str):
-    raise ModelError(f"chat template: {msg}")
+
+def builder_for(job) -> PromptBuilder:
+    """The PromptBuilder of a loaded job: its model, user template, few-shot turns and chat template."""
+    p = job.spec.prompts
+    return PromptBuilder(job.model_path, p.user_template, examples=[e.model_dump() for e in p.examples],
+                         chat_template=job.chat_template, chat_template_kwargs=p.chat_template_kwargs)

@@ -24,7 +24,7 @@ from runner.fingerprint import calibration_key, changed_parts, digest, result_fi
 from runner.inputs import InputScan, prefetch
 from runner.lock import JobLock
 from runner.plan import plan_stream
-from runner.prompting import Document, PromptBuilder
+from runner.prompting import Document, PromptBuilder, builder_for
 from runner.readers import LocalReader, make_reader
 from runner.requests import RequestBuilder
 from runner.rows import StatsRow, Status
@@ -102,7 +102,7 @@ def run_job(job: Job, engine_factory: Callable[[Job], Engine] = build_engine, op
     # Bad input or a missing model stops the run here, before anything is written.
     scan = LocalReader(job.input_path, job.spec.input).scan(keep_ids=True)  # the driver checks its input
     try:
-        builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
+        builder = builder_for(job)
         with JobLock(job.database_path, job.name, wait=opts.wait):
             store = Store(job.database_path)
             try:
@@ -237,7 +237,7 @@ def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_e
     """`runner calibrate`: measure the job's speculation on its own rows (done or not) and store the
     choice for later runs. Nothing is written to the job's results."""
     scan = LocalReader(job.input_path, job.spec.input).scan()
-    builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
+    builder = builder_for(job)
     with JobLock(job.database_path, job.name, wait=wait):
         store = Store(job.database_path)
         collector = ResultCollector(job, store, None, RequestBuilder(job, builder), None, None, keep_results=False,
@@ -258,7 +258,7 @@ def _build_ahead(job: Job, rb: RequestBuilder, is_done: Optional[Callable[[list[
     then while it generates: the driver's own work stays off the engine's critical path (the
     tokenizer releases the GIL). At most BUILT_AHEAD_CHUNKS chunks wait, which bounds the token
     ids held; done rows are asked of the database a batch at a time."""
-    documents = _timed(make_reader(job).documents(job.system_prompt), rb)  # Ray starts here, not in the thread
+    documents = _timed(make_reader(job).documents(job.system_source), rb)  # Ray starts here, not in the thread
     if is_done is not None:
         documents = _not_done(documents, is_done)
     return prefetch(rb.stream(plan_stream(documents, job.spec.plan_window_rows)), BUILT_AHEAD_CHUNKS)

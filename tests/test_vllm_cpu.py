@@ -200,3 +200,32 @@ def test_real_verify_then_distill_a_draft_and_calibrate_with_it(make_job, tmp_pa
     draft_phase = record["phases"][1]
     assert draft_phase["draft_tokens_setting"] == 2 and draft_phase["counters"]["spec_drafts"] > 0
     assert str(tmp_path / "draft") in json.dumps(record["candidates"])
+
+
+def test_real_run_with_examples_a_system_template_and_open_sampling(make_job, tmp_path):
+    """Few-shot turns, a system prompt per row and vLLM's own sampling settings on real vLLM; a
+    setting vLLM does not know is one Error line before the model loads."""
+    import yaml
+
+    from tests.conftest import write_docs
+
+    docs = write_docs(tmp_path / "data" / "docs.parquet", 6, kind=["blenders", "kettles"] * 3)
+    job = make_job(docs=docs, job={
+        "input": {"system_prompt_column": None, "extra_columns": ["kind"]},
+        "prompts": {"system_template": "Summarize reviews of {kind} as JSON.", "examples": [
+            {"role": "user", "content": "Document: the kettle leaks."},
+            {"role": "assistant", "content": '{"summary":"The kettle leaks.","sentiment":"negative"}'}]},
+        "sampling": {"temperature": 0, "max_tokens": 64, "extra_args": {"no_such_setting": 1}}})
+    result = run_cli("run", "--quiet", job)
+    assert result.returncode == 2 and "Error: sampling: vLLM refuses these settings" in result.stderr, result.stderr[-2000:]
+    assert "no_such_setting" in result.stderr
+    spec = yaml.safe_load(job.read_text())
+    spec["sampling"] = {"temperature": 0, "max_tokens": 64, "repetition_penalty": 1.2, "top_k": 5,
+                        "extra_args": {"skip_special_tokens": True}}
+    job.write_text(yaml.safe_dump(spec))
+    result = run_cli("run", "--quiet", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT count(*) FROM results WHERE status = 'ok'").fetchone()[0] >= 4
+    components = json.loads(con.execute("SELECT components_json FROM fingerprints").fetchone()[0])
+    assert components["sampling"]["repetition_penalty"] == 1.2 and components["prompts"]["examples"]

@@ -17,7 +17,7 @@ from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
 from runner.engines.feed import Admitted, Feed
 from runner.engines.vllm_settings import llm_kwargs, offline_environment
-from runner.errors import EngineError, ModelError, RunnerError
+from runner.errors import EngineError, ModelError, RunnerError, SpecError
 from runner.models import is_model_dir
 from runner.spec import SamplingSpec
 
@@ -37,6 +37,17 @@ _COUNTERS = {
 }
 
 
+def sampling_params(sampling: SamplingSpec, max_tokens: int, **fixed):
+    """vllm.SamplingParams of the job's sampling section; vLLM's refusal as a SpecError."""
+    from vllm import SamplingParams
+
+    try:
+        return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
+                              seed=sampling.seed, **sampling.vllm_kwargs(), **fixed)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"sampling: vLLM refuses these settings: {exc}") from None
+
+
 class VllmEngine(Engine):
     """Streams Requests through one vllm.LLM."""
 
@@ -52,6 +63,7 @@ class VllmEngine(Engine):
         except ImportError as exc:
             raise EngineError(f"vLLM is not installed: {exc}") from None
         self.cfg, self.sampling, self.schema = cfg, sampling, schema
+        sampling_params(sampling, sampling.max_tokens)  # refused settings stop here, before the model loads
         kw = llm_kwargs(cfg, model_path, sampling.seed)
         try:
             self.llm = LLM(**kw)
@@ -87,16 +99,13 @@ class VllmEngine(Engine):
         A group's leader streams deltas instead, so that its first token can release its group."""
         sp = self._params.get((max_tokens, leader))
         if sp is None:
-            from vllm import SamplingParams
             from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
             so = StructuredOutputsParams(
                 json=self.schema, disable_any_whitespace=self.cfg.structured_output_backend != "auto")
-            sp = self._params[(max_tokens, leader)] = SamplingParams(
-                temperature=self.sampling.temperature, top_p=self.sampling.top_p, max_tokens=max_tokens,
-                seed=self.sampling.seed, structured_outputs=so,
-                output_kind=RequestOutputKind.DELTA if leader else RequestOutputKind.FINAL_ONLY,
-            )
+            sp = self._params[(max_tokens, leader)] = sampling_params(
+                self.sampling, max_tokens, structured_outputs=so,
+                output_kind=RequestOutputKind.DELTA if leader else RequestOutputKind.FINAL_ONLY)
         return sp
 
     # -- the Engine seam --------------------------------------------------------------------

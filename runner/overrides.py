@@ -1,0 +1,30 @@
+"""`--set KEY=VALUE` on the command line: job settings for one command."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import yaml
+
+from runner.errors import SpecError
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """The job's mapping with each `dotted.key=value` set (the value read as YAML: 64, true, null)."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise SpecError(f"--set {item}: expected KEY=VALUE, e.g. --set engine.max_num_seqs=64")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise SpecError(f"--set {item}: the value is not valid YAML") from None
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                raise SpecError(f"--set {item}: {'.'.join(parts[:i + 1])} is not a section")
+            node = node[part]
+        node[parts[-1]] = value
+    return raw

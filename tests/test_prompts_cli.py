@@ -1,0 +1,150 @@
+"""Prompts and sampling as a user writes them in the job file, through the command line:
+few-shot examples, system-prompt templates over row fields, a job's own chat template and its
+variables, and vLLM's sampling settings (bounds checked before anything runs)."""
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from runner.cli import cli
+from runner.prompting import builder_for
+from runner.spec import load_job
+from tests.conftest import write_docs
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def edit(job, **sections):
+    spec = yaml.safe_load(job.read_text())
+    for key, value in sections.items():
+        spec[key] = (spec.get(key) or {}) | value if isinstance(value, dict) else value
+    job.write_text(yaml.safe_dump(spec))
+    return job
+
+
+EXAMPLES = [{"role": "user", "content": "Document: the kettle leaks."},
+            {"role": "assistant", "content": '{"summary": "Kettle leaks.", "sentiment": "negative"}'}]
+
+
+def test_examples_sit_between_system_prompt_and_document_and_stay_in_the_shared_prefix(make_job, tmp_path):
+    job = make_job()
+    before = invoke("plan", job)
+    edit(job, prompts={"examples": EXAMPLES})
+    after = invoke("plan", job)
+    assert before.exit_code == after.exit_code == 0, after.output
+    share = [float(r.output.rsplit(" ", 1)[1].rstrip("%\n")) for r in (before, after)]
+    assert share[1] > share[0]  # the examples are cached with the system prompt
+    loaded = load_job(job)
+    b = builder_for(loaded)
+    text = b.render("SYS", "DOC")
+    assert text.index("SYS") < text.index("the kettle leaks") < text.index("Kettle leaks.") < text.index("DOC")
+
+
+def test_examples_must_end_with_an_assistant_turn(make_job):
+    job = edit(make_job(), prompts={"examples": EXAMPLES[:1]})
+    result = invoke("validate", job)
+    assert result.exit_code == 2 and "prompts.examples: end with an assistant turn" in result.output
+
+
+def test_a_system_template_groups_rows_by_the_prompt_it_renders(make_job, tmp_path):
+    kinds = ["blenders", "kettles", "toasters"] * 4
+    docs = write_docs(tmp_path / "data" / "docs.parquet", 12, kind=kinds)
+    job = make_job(docs=docs, job={"input": {"system_prompt_column": None, "extra_columns": ["kind"]},
+                                   "prompts": {"system_template": "You summarize reviews of {kind}."}})
+    result = invoke("plan", job)
+    assert result.exit_code == 0, result.output
+    assert "3 groups, 12 rows" in result.output and "You summarize reviews of kettles." in result.output
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    assert sqlite3.connect(tmp_path / "out" / "results.sqlite").execute(
+        "SELECT count(*) FROM results WHERE status = 'ok'").fetchone()[0] == 12
+
+
+@pytest.mark.parametrize("prompts, expected", [
+    ({"system_template": "About {brand}."}, "prompts.system_template: unknown field {brand}; list the column in input.extra_columns"),
+    ({"system_template": "About {0}."}, "prompts.system_template: {0}: use a column name"),
+    ({"system_template": "x", "system": "y"}, "prompts: give one of system, system_file and system_template"),
+    ({"chat_template": "missing.jinja"}, "prompts.chat_template: cannot read"),
+])
+def test_prompt_mistakes_are_one_error_line_naming_the_field(make_job, prompts, expected):
+    job = make_job(job={"input": {"system_prompt_column": None}, "prompts": prompts})
+    result = invoke("validate", job)
+    assert result.exit_code == 2 and expected in result.output and result.output.count("\n") == 1, result.output
+
+
+def test_a_jobs_chat_template_and_its_variables_shape_every_prompt(make_job, tmp_path):
+    (tmp_path / "mine.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n{{ prefill }}")
+    job = make_job(job={"prompts": {"chat_template": "mine.jinja", "chat_template_kwargs": {"prefill": "Answer:"}}})
+    text = builder_for(load_job(job)).render("S", "U")
+    assert text.endswith("<|im_start|>assistant\nAnswer:")
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    edit(job, prompts={"chat_template_kwargs": {"prefill": "JSON:"}})  # another prompt: rows run again
+    out = invoke("run", "--engine", "fake", job)
+    assert out.exit_code == 0 and "running 12 stored rows again" in out.output, out.output
+    assert "changed: prompts.chat_template_kwargs" in out.output
+    (tmp_path / "mine.jinja").write_text((tmp_path / "mine.jinja").read_text() + " ")  # the file's text counts too
+    out = invoke("run", "--engine", "fake", job)
+    assert "running 12 stored rows again" in out.output and "prompts.chat_template_sha256" in out.output, out.output
+
+
+@pytest.mark.parametrize("sampling, expected", [
+    ({"repetition_penalty": 0}, "sampling.repetition_penalty: Input should be greater than 0"),
+    ({"presence_penalty": 3}, "sampling.presence_penalty: Input should be less than or equal to 2"),
+    ({"min_p": 1.5}, "sampling.min_p: Input should be less than or equal to 1"),
+    ({"n": 3}, "sampling.n: Value error, one extraction is stored per row, so n must be 1"),
+    ({"best_of": 2}, "sampling.best_of: unknown key"),
+])
+def test_sampling_settings_are_checked_before_anything_runs(make_job, sampling, expected):
+    result = invoke("validate", make_job(job={"sampling": sampling}))
+    assert result.exit_code == 2 and expected in result.output, result.output
+
+
+def test_sampling_settings_reach_the_engine_and_the_fingerprint(make_job):
+    from runner.fingerprint import result_fingerprint
+
+    job = make_job()
+    plain = load_job(job)
+    edit(job, sampling={"repetition_penalty": 1.1, "stop": ["\n\n"], "extra_args": {"skip_special_tokens": False}})
+    tuned = load_job(job)
+    assert tuned.spec.sampling.vllm_kwargs() == {"repetition_penalty": 1.1, "stop": ["\n\n"],
+                                                 "skip_special_tokens": False}
+    assert plain.spec.sampling.vllm_kwargs() == {}
+    a, b = result_fingerprint(plain)[1]["sampling"], result_fingerprint(tuned)[1]["sampling"]
+    assert set(a) == {"temperature", "top_p", "max_tokens", "seed", "retry_max_tokens"}  # as before these fields
+    assert b["repetition_penalty"] == 1.1 and json.dumps(b)
+
+
+def test_set_overrides_the_job_and_the_engine_config_for_one_command(make_job, tmp_path):
+    job = make_job()
+    result = invoke("validate", "--set", "engine.max_num_seqs=0", job)
+    assert result.exit_code == 2
+    assert "engine.max_num_seqs: Input should be greater than or equal to 1 (with --set engine.max_num_seqs=0)" in result.output
+    result = invoke("validate", "--set", "max_num_seqs", job)
+    assert result.exit_code == 2 and "--set max_num_seqs: expected KEY=VALUE" in result.output
+    result = invoke("validate", "--set", "name.first=x", job)
+    assert result.exit_code == 2 and "name is not a section" in result.output
+    assert invoke("run", "--engine", "fake", "--quiet", "--set", "engine.max_num_seqs=3",
+                  "--set", "sampling.max_tokens=40", job).exit_code == 0
+    config = json.loads(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute(
+        "SELECT config_json FROM runs").fetchone()[0])
+    assert config["engine"]["max_num_seqs"] == 3 and config["job"]["sampling"]["max_tokens"] == 40
+    assert yaml.safe_load(job.read_text())["sampling"]["max_tokens"] == 64  # the file is unchanged
+
+
+def test_limit_makes_a_smoke_run_and_the_next_run_does_the_rest(make_job, tmp_path):
+    job = make_job(rows=12)
+    out = invoke("run", "--engine", "fake", "--limit", "5", job)
+    assert out.exit_code == 0 and "5 in input" in out.output, out.output
+    db = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert db.execute("SELECT count(*) FROM results").fetchone()[0] == 5
+    out = invoke("run", "--engine", "fake", job)
+    assert out.exit_code == 0 and "7 run" in out.output and "5 already done" in out.output, out.output
+    assert db.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 12
+    assert invoke("run", "--limit", "0", job).exit_code == 2

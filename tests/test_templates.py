@@ -1,0 +1,138 @@
+"""Prompts byte-identical to transformers' apply_chat_template, for every template a user may bring.
+
+Templates: the embedded model's; real ones read from installed packages (vLLM's, transformers'
+Llama 4 template with strftime_now and tojson, mistral_common's Mistral templates with their
+system-prompt placement and role checks); and two written here (the list form of several named
+templates, a tojson-escaped user message).
+Each is rendered by the runner and by transformers itself on the same tokenizer folder.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from runner.prompting import Document, PromptBuilder
+
+STRFTIME_TOJSON = (
+    "{{ bos_token }}{% if not date_string is defined %}{% set date_string = strftime_now('%d %b %Y') %}{% endif %}"
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] | trim %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+    "<|im_start|>system\nToday: {{ date_string }}\n{{ system }}{% if tools %}\n{{ tools | tojson(indent=2) }}{% endif %}"
+    "<|im_end|>\n{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | tojson }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+NO_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+             "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def vllm_templates() -> dict[str, str]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        return {}
+    folder = Path(list(spec.submodule_search_locations)[0]) / "transformers_utils" / "chat_templates"
+    return {p.stem: p.read_text() for p in sorted(folder.glob("template_*.jinja"))}
+
+
+def real_templates() -> dict[str, str]:
+    """Chat templates of real models that installed packages carry."""
+    out = {}
+    try:
+        from transformers.models.llama4.processing_llama4 import chat_template
+
+        out["llama4"] = chat_template
+    except ImportError:
+        pass
+    try:
+        from mistral_common.integrations.chat_templates.chat_templates import generate_chat_template
+        from mistral_common.tokens.tokenizers.base import TokenizerVersion
+    except ImportError:
+        return out
+    for v in ("v3", "v7", "v11"):
+        out[f"mistral_{v}"] = generate_chat_template(
+            spm=False, tokenizer_version=TokenizerVersion(v), image_support=False, audio_support=False,
+            thinking_support=False, default_system_prompt=None, plain_thinking_support=False,
+            use_special_token_variables=True, model_settings_fields=None, reasoning_effort_values=None,
+            reasoning_effort_default=None)
+    return out
+
+
+def folder_with(template, tiny_model_dir: Path, tmp_path: Path, name: str) -> Path:
+    """The tiny tokenizer with another chat template (a string, or the list form)."""
+    d = tmp_path / name
+    d.mkdir()
+    shutil.copy(tiny_model_dir / "tokenizer.json", d / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": template}))
+    return d
+
+
+def transformers_render(folder: Path, messages: list[dict], **kwargs) -> str:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+SYSTEM = 'Extract <fields> as JSON: "name", café & naïve — quotes \'single\' too.'
+USER = "Déjà vu <b>bold</b> & {braces} \\ backslash\n  indented line"
+EXAMPLES = [{"role": "user", "content": "Example <in>"}, {"role": "assistant", "content": '{"name": "é"}'}]
+
+
+def test_real_templates_are_found():
+    assert {"llama4", "mistral_v3", "mistral_v7"} <= set(real_templates()) and "template_chatml" in vllm_templates()
+
+
+@pytest.mark.parametrize("name", ["strftime_tojson", "list_form", *real_templates(), *vllm_templates()])
+def test_prompts_are_byte_identical_to_transformers(name, tiny_model_dir, tmp_path):
+    template = {"strftime_tojson": STRFTIME_TOJSON,
+                "list_form": [{"name": "default", "template": STRFTIME_TOJSON},
+                              {"name": "tool_use", "template": NO_SYSTEM}],
+                **real_templates()}.get(name) or vllm_templates()[name]
+    folder = folder_with(template, tiny_model_dir, tmp_path, name)
+    b = PromptBuilder(folder, examples=EXAMPLES)
+    rendered = 0
+    for system in (SYSTEM, None):
+        messages = ([{"role": "system", "content": system}] if system else []) + EXAMPLES + [{"role": "user", "content": USER}]
+        try:
+            expected = transformers_render(folder, messages)
+        except Exception as exc:  # the template refuses these messages: the runner must refuse them too
+            with pytest.raises(Exception, match="(?i)" + str(exc).split(":")[-1].strip()[:20].replace("(", ".")):
+                b.render(system, USER)
+            continue
+        assert b.render(system, USER) == expected, name
+        assert b.prompt_ids(system, USER) == b.encode(expected)  # the fast path, or the fallback where it cannot be exact
+        rendered += 1
+    assert rendered or name == "template_deepseek_ocr", f"{name} refused every conversation"
+
+
+def test_the_embedded_models_template_matches_transformers(model_dir):
+    b = PromptBuilder(model_dir, examples=EXAMPLES)
+    for system in (SYSTEM, None):
+        messages = ([{"role": "system", "content": system}] if system else []) + EXAMPLES + [{"role": "user", "content": USER}]
+        assert b.render(system, USER) == transformers_render(model_dir, messages)
+
+
+def test_a_template_file_and_template_kwargs_override_the_models(tiny_model_dir, tmp_path):
+    folder = folder_with(STRFTIME_TOJSON, tiny_model_dir, tmp_path, "m")
+    override = tmp_path / "mine.jinja"
+    override.write_text("{{ greeting }}|{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}"
+                        "{{ date_string }}")
+    b = PromptBuilder(folder, chat_template=override.read_text(), chat_template_kwargs={"greeting": "hi",
+                                                                                        "date_string": "1 Jan 2026"})
+    assert b.render("S", "U") == "hi|system:S;user:U;1 Jan 2026"
+    b = PromptBuilder(folder, chat_template_kwargs={"date_string": "1 Jan 2026"})
+    expected = transformers_render(folder, [{"role": "user", "content": "U"}], date_string="1 Jan 2026")
+    assert b.render(None, "U") == expected and "Today: 1 Jan 2026" in expected
+
+
+def test_prompt_ids_still_equal_encoding_the_rendered_prompt(tiny_model_dir, tmp_path):
+    folder = folder_with(STRFTIME_TOJSON, tiny_model_dir, tmp_path, "ids")
+    b = PromptBuilder(folder, "{title}: {text}", examples=EXAMPLES)
+    doc = Document("r", "some text <here>", SYSTEM, {"title": "T"})
+    assert b.prompt_ids(SYSTEM, b.user_text(doc)) == b.encode(b.render(SYSTEM, b.user_text(doc)))
