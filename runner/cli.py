@@ -174,7 +174,8 @@ def validate(job, overrides):
     model = "ready" if is_model_dir(spec.model_path, weights=spec.engine.needs_weights) else "MISSING (runner prepare-model)"
     say(f"OK: {job}")
     say(table([
-        ("input", f"{scan.rows:,} rows in {len(scan.files)} file(s)"),
+        ("input", f"{scan.rows:,} rows in {len(scan.files)} file(s)"
+                  + (f"; {len(scan.skip):,} left out (null or repeated ids)" if scan.skip else "")),
         ("schema", str(spec.schema_path)),
         ("engine config", str(spec.engine_config_path)),
         ("model", f"{spec.model_path} [{model}]"),
@@ -204,12 +205,12 @@ def plan(job, overrides):
 
     spec = load_job(job, overrides)
     reader = LocalReader(spec.input_path, spec.spec.input)
-    reader.scan()
+    scan = reader.scan()
     try:
         builder = builder_for(spec)
     except ModelError:
         builder = None
-    p = summarize_plan(reader.documents(spec.system_source), builder, spec.block_tokens)
+    p = summarize_plan(reader.documents(spec.system_source, scan.skip), builder, spec.block_tokens)
     say(f"{'group':<12}  {'rows':>7}  {'prompt tok':>11}  {'system tok':>10}  {'cacheable':>9}  system prompt")
     for g in p.groups:
         share = g.cacheable_tokens / g.prompt_tokens if g.prompt_tokens else 0

@@ -1,12 +1,13 @@
 """Commands that read a results database: stats, status, report, export."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
 
 from runner.cli import cli, reports_errors
-from runner.cli_output import say, stats_table, table
+from runner.cli_output import say, stats_table, table, warn
 from runner.summary import fmt
 
 
@@ -41,14 +42,16 @@ def db_options(fn):
 @click.argument("run_id", required=False, type=int)
 @db_options
 @click.option("--last", "last", default=1, show_default=True, help="How many recent runs to show.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout: runs, their stats and row counts.")
 @reports_errors
-def stats(run_id, job, db, last):
+def stats(run_id, job, db, last, as_json):
     """Show the stats of run RUN_ID, or of the last runs of a job.
 
     \b
     Example:
       runner stats --job jobs/summarize.yaml --last 5
       runner stats 3 --db out/summarize.sqlite
+      runner stats --job jobs/summarize.yaml --json | jq '.[0].stats.documents_per_s'
     """
     from runner.errors import StoreError
 
@@ -56,6 +59,9 @@ def stats(run_id, job, db, last):
     runs = [store.run(run_id)] if run_id is not None else store.latest_runs(job_name, last)
     if not runs or runs[0] is None:
         raise StoreError(f"{store.path}: no run {run_id}" if run_id is not None else f"{store.path}: no runs yet")
+    if as_json:
+        click.echo(json.dumps([_run_json(store, r) for r in runs], indent=1, default=str))
+        return
     for r in runs:
         s = store.stats(r["id"]) or {}
         say(f"run {r['id']}  {r['job_name']}  {r['status']}  started {r['started_at_utc']}")
@@ -64,6 +70,13 @@ def stats(run_id, job, db, last):
             ("engine", f"{r['engine_backend'] or '-'} {r['engine_version'] or ''} {r['engine_settings_json'] or ''}"),
             ("engine log", r.get("log_path") or "-"),
         ] + ([("error", r["error"])] if r["error"] else [])))
+
+
+def _run_json(store, r: dict) -> dict:
+    """A run as JSON: its record (JSON columns parsed), stats and result counts by status."""
+    run = {k: (json.loads(v) if k.endswith("_json") and v else v) for k, v in r.items()}
+    stats = {k: (json.loads(v) if k.endswith("_json") and v else v) for k, v in (store.stats(r["id"]) or {}).items()}
+    return {"run": run, "stats": stats, "rows_by_status": store.result_counts(r["id"])}
 
 
 @cli.command()
@@ -108,7 +121,8 @@ def status(job):
 @cli.command()
 @click.argument("run_id", type=int)
 @db_options
-@click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False), help="HTML file to write.")
+@click.option("-o", "--output", "output", default="-", show_default=True, type=click.Path(dir_okay=False, allow_dash=True),
+              help="HTML file to write; - for stdout.")
 @reports_errors
 def report(run_id, job, db, output):
     """Write an HTML report of run RUN_ID: throughput over time, per-group cache hits, statuses, tokens.
@@ -122,28 +136,39 @@ def report(run_id, job, db, output):
     from runner.report import render_report
 
     store, _ = _open_store(job, db)
-    Path(output).write_text(render_report(store, run_id), encoding="utf-8")
+    html = render_report(store, run_id)
+    if output == "-":
+        click.echo(html, nl=False)
+        return
+    Path(output).write_text(html, encoding="utf-8")
     say(f"Report: {output}")
 
 
 @cli.command()
-@click.argument("run_id", type=int)
+@click.argument("run_id", required=False, type=int)
 @db_options
 @click.option("--format", "fmt_", type=click.Choice(["parquet", "csv", "jsonl"]), required=True)
-@click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False), help="File to write.")
+@click.option("-o", "--output", "output", default="-", show_default=True, type=click.Path(dir_okay=False, allow_dash=True),
+              help="File to write; - for stdout.")
 @reports_errors
 def export(run_id, job, db, fmt_, output):
-    """Export run RUN_ID's results, with the extraction's top-level fields as columns.
+    """Export results, with the extraction's top-level fields as columns: run RUN_ID's, or without
+    RUN_ID the whole job's (--job: the latest result of every row, whichever run made it).
 
     Scalar fields become columns named extraction_FIELD; arrays and objects become JSON text in
     extraction_FIELD_json.
 
     \b
     Example:
-      runner export 3 --job jobs/summarize.yaml --format parquet -o results.parquet
+      runner export --job jobs/summarize.yaml --format parquet -o results.parquet
+      runner export 3 --job jobs/summarize.yaml --format jsonl | jq .extraction_summary
     """
+    from runner.errors import SpecError
     from runner.export import export_run
 
-    store, _ = _open_store(job, db)
-    n = export_run(store, run_id, fmt_, Path(output))
-    say(f"Exported {n:,} rows to {output}")
+    store, job_name = _open_store(job, db)
+    if run_id is None and job_name is None:
+        raise SpecError("give RUN_ID, or --job JOB to export the whole job")
+    to_stdout = output == "-"
+    n = export_run(store, run_id, fmt_, None if to_stdout else Path(output), None if run_id is not None else job_name)
+    (warn if to_stdout else say)(f"Exported {n:,} rows to {'stdout' if to_stdout else output}")

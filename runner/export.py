@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import Optional
 
 from runner.errors import StoreError
 from runner.rows import EXPORT_COLUMNS
@@ -24,19 +26,17 @@ def flat_fields(schema: dict) -> dict[str, bool]:
     return out
 
 
-def export_run(store: Store, run_id: int, fmt: str, out: Path) -> int:
-    """Write run_id's results to `out`; returns the number of rows."""
-    import pyarrow as pa
-
-    run = store.run(run_id)
+def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path], job_name: Optional[str] = None) -> int:
+    """Write run_id's results (or, with job_name, the job's latest result for every row) to `out`,
+    or to stdout when out is None; returns the number of rows."""
+    run = store.run(run_id) if job_name is None else next(iter(store.latest_runs(job_name, 1)), None)
     if run is None:
-        raise StoreError(f"{store.path}: no run {run_id}")
-    schema = json.loads(run["config_json"]).get("output_schema", {})
-    fields = flat_fields(schema)
+        raise StoreError(f"{store.path}: no run {run_id}" if job_name is None else f"{store.path}: no runs of {job_name}")
+    fields = flat_fields(json.loads(run["config_json"]).get("output_schema", {}))
     cols: dict[str, list] = {c: [] for c in EXPORT_COLUMNS}
     cols.update({_col(f, scalar): [] for f, scalar in fields.items()})
     n = 0
-    for r in store.results_of(run_id):
+    for r in store.results_of(run_id, job_name):
         n += 1
         for c in EXPORT_COLUMNS:
             cols[c].append(r[c])
@@ -44,23 +44,32 @@ def export_run(store: Store, run_id: int, fmt: str, out: Path) -> int:
         for f, scalar in fields.items():
             v = value.get(f) if isinstance(value, dict) else None
             cols[_col(f, scalar)].append(v if scalar or v is None else json.dumps(v, ensure_ascii=False))
-    table = pa.table({c: _array(v) for c, v in cols.items()})
-    out.parent.mkdir(parents=True, exist_ok=True)
+    import pyarrow as pa
+
+    _write(pa.table({c: _array(v) for c, v in cols.items()}), fmt, out)
+    return n
+
+
+def _write(table, fmt: str, out: Optional[Path]) -> None:
+    if fmt not in FORMATS:
+        raise StoreError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    sink = str(out) if out is not None else sys.stdout.buffer
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        pq.write_table(table, out)
+        pq.write_table(table, sink)
     elif fmt == "csv":
         import pyarrow.csv as pcsv
 
-        pcsv.write_csv(table, out)
-    elif fmt == "jsonl":
-        with out.open("w", encoding="utf-8") as fh:
-            for row in table.to_pylist():
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        pcsv.write_csv(table, sink)
     else:
-        raise StoreError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
-    return n
+        lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in table.to_pylist())
+        if out is None:
+            sys.stdout.write(lines)
+        else:
+            out.write_text(lines, encoding="utf-8")
 
 
 def _col(field: str, scalar: bool) -> str:

@@ -6,7 +6,7 @@ the rows. Where the batches come from is the reader's business (runner/readers.p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from runner.errors import InputError
@@ -25,9 +25,13 @@ class InputScan:
     """What a pre-scan of the input found."""
 
     files: list[str]
-    rows: int  # after the job's limit
+    rows: int  # after the job's limit, without rejected rows
     ids: Optional[RowIds]  # the input's row ids on disk (with keep_ids; the caller closes them)
     system_prompt_keys: set[str]  # group keys of the distinct system prompts in the column (empty: none)
+    # input.on_bad_row: store: rows left out of the run (row number in the input, id, reason);
+    # `skip` holds their row numbers for the reader
+    rejected: list[tuple[int, Optional[str], str]] = field(default_factory=list)
+    skip: set[int] = field(default_factory=set)
 
 
 def _text_column(file: str, batch, name: str, field: str):
@@ -108,44 +112,71 @@ def _scan(reader: Reader, seen: RowIds) -> InputScan:
     import pyarrow.compute as pc
 
     spec = reader.spec
-    prompt_keys: set[str] = set()
-    rows = 0
+    scan = InputScan(files=[], rows=0, ids=seen, system_prompt_keys=set())
     for file, batch in reader.batches():
         ids = _id_column(file, batch, spec.id_column)
         texts = _text_column(file, batch, spec.text_column, "input.text_column")
-        if ids.null_count:
-            raise InputError(f"{file}: column {spec.id_column!r} (input.id_column) has {ids.null_count} null ids")
-        if texts.null_count:
-            first = ids[texts.is_null().to_pylist().index(True)].as_py()
-            raise InputError(
-                f"{file}: column {spec.text_column!r} (input.text_column) is null in {texts.null_count} rows, "
-                f"first at id {first!r}"
-            )
+        if spec.on_bad_row == "fail":
+            _refuse_nulls(file, spec, ids, texts)
         if spec.system_prompt_column:
             sp = _text_column(file, batch, spec.system_prompt_column, "input.system_prompt_column")
-            if sp.null_count:
+            if sp.null_count and spec.on_bad_row == "fail":
                 raise InputError(f"{file}: column {spec.system_prompt_column!r} has {sp.null_count} null system prompts")
-            if len(prompt_keys) < MAX_PROMPT_KEYS:
-                prompt_keys.update(group_key(v) for v in pc.unique(sp).to_pylist())
+            if len(scan.system_prompt_keys) < MAX_PROMPT_KEYS:
+                scan.system_prompt_keys.update(group_key(v) for v in pc.unique(sp).to_pylist() if v is not None)
         for c in spec.extra_columns:
             _extra_column(file, batch, c)  # bytes that are not UTF-8 stop the run here
-        duplicate = seen.add(ids.to_pylist())
-        if duplicate is not None:
-            raise InputError(f"{file}: duplicate id {duplicate!r} in column {spec.id_column!r} (input.id_column)")
-        rows += batch.num_rows
-    if rows == 0:
+        if spec.on_bad_row == "fail":
+            duplicate = seen.add(ids.to_pylist())
+            if duplicate is not None:
+                raise InputError(f"{file}: duplicate id {duplicate!r} in column {spec.id_column!r} (input.id_column)")
+        else:
+            _set_aside(scan, ids.to_pylist(), seen)
+        scan.rows += batch.num_rows
+    if scan.rows == 0:
         raise InputError(f"{reader.input_path}: the input has no rows")
-    return InputScan(files=reader.files(), rows=rows, ids=seen, system_prompt_keys=prompt_keys)
+    scan.files = reader.files()
+    scan.rows -= len(scan.skip)
+    return scan
 
 
-def read_documents(reader: Reader, system_prompt) -> Iterator[Document]:
+MAX_REJECTED_KEPT = 10_000  # rejected rows listed in the database; more are only counted
+
+
+def _set_aside(scan: InputScan, ids: list, seen: RowIds) -> None:
+    """on_bad_row: store: null ids and repeated ids (after the first) are left out of the run."""
+    start = scan.rows
+    present = [n for n, i in enumerate(ids) if i is not None]
+    rejected = [(n, None, "null id") for n, i in enumerate(ids) if i is None]
+    rejected += [(present[d], ids[present[d]], "duplicate id (the first row with it runs)")
+                 for d in seen.add_keep_first([ids[n] for n in present])]
+    for n, rid, why in sorted(rejected, key=lambda r: r[0]):
+        scan.skip.add(start + n)
+        if len(scan.rejected) < MAX_REJECTED_KEPT:
+            scan.rejected.append((start + n, rid, why))
+
+
+def _refuse_nulls(file: str, spec: InputSpec, ids, texts) -> None:
+    if ids.null_count:
+        raise InputError(f"{file}: column {spec.id_column!r} (input.id_column) has {ids.null_count} null ids "
+                         f"(input.on_bad_row: store runs the other rows)")
+    if texts.null_count:
+        first = ids[texts.is_null().to_pylist().index(True)].as_py()
+        raise InputError(f"{file}: column {spec.text_column!r} (input.text_column) is null in {texts.null_count} rows, "
+                         f"first at id {first!r} (input.on_bad_row: store runs the other rows)")
+
+
+def read_documents(reader: Reader, system_prompt, skip: frozenset[int] | set[int] = frozenset()) -> Iterator[Document]:
     """Stream the input as Documents, one record batch in memory at a time."""
-    return documents_from_batches(reader.batches(), reader.spec, system_prompt)
+    return documents_from_batches(reader.batches(), reader.spec, system_prompt, skip)
 
 
-def documents_from_batches(batches, spec: InputSpec, system_prompt) -> Iterator[Document]:
+def documents_from_batches(batches, spec: InputSpec, system_prompt, skip=frozenset()) -> Iterator[Document]:
     """Documents from (file, Arrow record batch) pairs, whoever read them (pyarrow or Ray Data).
-    system_prompt: one prompt for every row, or a function of a row's fields (a system template)."""
+    system_prompt: one prompt for every row, or a function of a row's fields (a system template).
+    skip: row numbers (in input order) the scan rejected; a null text or system prompt (with
+    on_bad_row: store) makes a Document with a problem, stored failed."""
+    row = -1
     for file, batch in batches:
         ids = _id_column(file, batch, spec.id_column).to_pylist()
         texts = _values(_text_column(file, batch, spec.text_column, "input.text_column"))
@@ -155,8 +186,14 @@ def documents_from_batches(batches, spec: InputSpec, system_prompt) -> Iterator[
             systems = [system_prompt] * len(ids)
         extras = {c: _extra_column(file, batch, c).to_pylist() for c in spec.extra_columns}
         for i, rid in enumerate(ids):
+            row += 1
+            if row in skip:
+                continue
             fields = {c: ("" if v[i] is None else v[i]) for c, v in extras.items()}
-            yield Document(row_id=rid, text=texts[i], fields=fields,
+            problem = (f"input: null text ({spec.text_column})" if texts[i] is None else
+                       f"input: null system prompt ({spec.system_prompt_column})" if systems[i] is None
+                       and spec.system_prompt_column else None)
+            yield Document(row_id=rid, text=texts[i] or "", fields=fields, problem=problem,
                            system_prompt=system_prompt(fields) if callable(system_prompt) else systems[i])
 
 

@@ -190,8 +190,22 @@ def m007_output_token_ids(conn: Connection) -> None:
         conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN output_token_ids_json TEXT")
 
 
+def m008_rejected_rows(conn: Connection) -> None:
+    # input.on_bad_row: store: rows that cannot be results (no id, or an id seen before), kept
+    # with the run that met them so that a night's bad input can be found and fixed.
+    conn.exec_driver_sql("""
+        CREATE TABLE rejected_rows (
+            id INTEGER PRIMARY KEY,
+            run_id INTEGER NOT NULL REFERENCES runs(id),
+            job_name TEXT NOT NULL,
+            input_row_number INTEGER NOT NULL,  -- 0-based, in the input's reading order
+            row_id TEXT,
+            reason TEXT NOT NULL
+        )""")
+
+
 MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations, m005_fingerprints,
-              m006_verifications_and_drafts, m007_output_token_ids]
+              m006_verifications_and_drafts, m007_output_token_ids, m008_rejected_rows]
 
 
 def utc_now() -> str:

@@ -24,6 +24,7 @@ class Document:
     text: str
     system_prompt: Optional[str]
     fields: dict
+    problem: Optional[str] = None  # input.on_bad_row: store: why this row is stored failed, not run
 
 
 class PromptBuilder:

@@ -50,11 +50,11 @@ class Reader:
 
         return scan_input(self, keep_ids=keep_ids)
 
-    def documents(self, system_prompt: Optional[str]):
-        """The rows as Documents, a record batch at a time."""
+    def documents(self, system_prompt, skip: set[int] | frozenset[int] = frozenset()):
+        """The rows as Documents, a record batch at a time, without the row numbers in `skip`."""
         from runner.inputs import read_documents
 
-        return read_documents(self, system_prompt)
+        return read_documents(self, system_prompt, skip)
 
 
 class LocalReader(Reader):

@@ -47,6 +47,9 @@ class RequestBuilder:
         out: list[Request | Completion | Document] = []
         texts: list[tuple[int, str]] = []
         for d in docs:
+            if d.problem:
+                out.append(Completion(d.row_id, error=d.problem))
+                continue
             try:
                 texts.append((len(out), b.user_text(d)))
                 out.append(d)  # a placeholder, replaced below

@@ -36,6 +36,19 @@ class RowIds:
         self.count += len(ids)
         return None
 
+    def add_keep_first(self, ids: list[str]) -> list[int]:
+        """Add a batch of ids; return the positions of those already present (not added again)."""
+        if self.add(ids) is None:
+            return []
+        dup, con = [], self._con
+        con.execute("BEGIN")
+        for n, i in enumerate(ids):
+            if con.execute("INSERT OR IGNORE INTO ids VALUES (?)", (i,)).rowcount == 0:
+                dup.append(n)
+        con.execute("COMMIT")
+        self.count += len(ids) - len(dup)
+        return dup
+
     def _first_duplicate(self, ids: list[str]) -> str:
         seen: set[str] = set()
         for i in ids:

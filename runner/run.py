@@ -61,6 +61,7 @@ class Work:
     reasons: list[str]  # what changed, e.g. "sampling.max_tokens"
     is_done: DoneFilter  # which rows of a batch to skip, asked of the database
     notes: list[str] = field(default_factory=list)  # what the run changed about the job, and why
+    skip: set[int] = field(default_factory=set)  # input row numbers rejected by the scan
 
 
 @dataclass
@@ -131,6 +132,11 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
         work.notes.append(gated)
     run_id = store.begin_run(job.name, str(job.path), job.snapshot() | {"fingerprint": work.fingerprint},
                              opts.log_path)
+    if scan.skip:
+        store.save_rejected(run_id, job.name, scan.rejected)
+        if opts.notify is not None:
+            opts.notify(f"{len(scan.skip):,} input rows left out (null or repeated ids; input.on_bad_row: store): "
+                        f"see the rejected_rows table of {job.database_path}")
     ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
     old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM,)}
     try:
@@ -180,7 +186,7 @@ def _work(store: Store, job: Job, scan: InputScan, retry_failed: bool) -> Work:
         for fp in stale & set(known):
             reasons.update(changed_parts(known[fp], components))
     return Work(fingerprint, scan.rows - skipped, skipped, redone, sorted(reasons),
-                store.done_filter(job.name, fingerprint, ok_only=retry_failed))
+                store.done_filter(job.name, fingerprint, ok_only=retry_failed), skip=scan.skip)
 
 
 def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, builder: PromptBuilder, work: Work,
@@ -190,7 +196,7 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
     progress = progress_factory(work.todo) if progress_factory else None
     collector = ResultCollector(job, store, run_id, RequestBuilder(job, builder), progress, work.fingerprint,
                                 clock=clock)
-    source = collector.requests(_build_ahead(job, collector.rb, work.is_done) if work.todo else iter(()))
+    source = collector.requests(_build_ahead(job, collector.rb, work.is_done, work.skip) if work.todo else iter(()))
     choice = None
     try:
         if work.todo:  # every row is stored already: a rerun from cron costs no engine start
@@ -253,12 +259,13 @@ def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_e
         return record
 
 
-def _build_ahead(job: Job, rb: RequestBuilder, is_done: Optional[Callable[[list[str]], set[str]]]):
+def _build_ahead(job: Job, rb: RequestBuilder, is_done: Optional[Callable[[list[str]], set[str]]],
+                 skip: set[int] = frozenset()):
     """Read, skip done rows, plan and tokenize in a thread from now on, while the engine starts and
     then while it generates: the driver's own work stays off the engine's critical path (the
     tokenizer releases the GIL). At most BUILT_AHEAD_CHUNKS chunks wait, which bounds the token
     ids held; done rows are asked of the database a batch at a time."""
-    documents = _timed(make_reader(job).documents(job.system_source), rb)  # Ray starts here, not in the thread
+    documents = _timed(make_reader(job).documents(job.system_source, skip), rb)  # Ray starts here, not in the thread
     if is_done is not None:
         documents = _not_done(documents, is_done)
     return prefetch(rb.stream(plan_stream(documents, job.spec.plan_window_rows)), BUILT_AHEAD_CHUNKS)

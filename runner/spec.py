@@ -29,6 +29,9 @@ class InputSpec(Strict):
     limit: Optional[int] = Field(default=None, ge=1)
     batch_rows: int = Field(default=1024, ge=1, description="rows per Parquet record batch read")
     on_too_long: Literal["fail", "truncate"] = "fail"
+    on_bad_row: Literal["fail", "store"] = Field(default="fail", description=(
+        "fail: a null or duplicate id, or a null text, stops the run before it starts; store: such a "
+        "row is recorded (failed, or in rejected_rows) and the run goes on; duplicates keep the first"))
 
     def columns(self) -> list[tuple[str, str]]:
         """(column, the job field that names it) of every column a run reads: the one list."""

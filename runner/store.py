@@ -241,6 +241,13 @@ class Store:
             row = conn.execute(q).mappings().first()
             return dict(row) if row else None
 
+    def save_rejected(self, run_id: int, job_name: str, rows: list[tuple[int, Optional[str], str]]) -> None:
+        """Input rows a run left out (input.on_bad_row: store): (row number, id, reason)."""
+        with self._tx() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO rejected_rows (run_id, job_name, input_row_number, row_id, reason) VALUES (?, ?, ?, ?, ?)",
+                [(run_id, job_name, n, rid, why) for n, rid, why in rows])
+
     def save_draft(self, **values) -> int:
         values = values | {"train_json": json.dumps(values["train_json"], sort_keys=True), "created_at_utc": utc_now()}
         with self._tx() as conn:
@@ -289,9 +296,11 @@ class Store:
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
 
-    def results_of(self, run_id: int) -> Iterable[dict]:
+    def results_of(self, run_id: Optional[int] = None, job_name: Optional[str] = None) -> Iterable[dict]:
+        """A run's results, or a job's (its latest result for each row, whichever run made it)."""
+        where = self.results.c.run_id == run_id if job_name is None else self.results.c.job_name == job_name
         with self.engine.connect() as conn:
-            for r in conn.execute(select(self.results).where(self.results.c.run_id == run_id).order_by(self.results.c.id)).mappings():
+            for r in conn.execute(select(self.results).where(where).order_by(self.results.c.id)).mappings():
                 yield dict(r)
 
     def _tx(self) -> "_Tx":

@@ -88,3 +88,36 @@ def test_bad_input_gives_one_error_line_and_no_run(make_job, tmp_path, name, bre
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0]
     assert not (tmp_path / "out" / "results.sqlite").exists()  # no partial run
+
+
+def test_on_bad_row_store_records_bad_rows_and_runs_the_rest(make_job, tmp_path):
+    """One bad row does not abort the night: null texts and system prompts are stored failed with
+    the reason, repeated ids keep their first row and the rest are listed in rejected_rows."""
+    import sqlite3
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = tmp_path / "data" / "bad.parquet"
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({
+        "id": ["a", "b", "a", None, "c", "d", "c"],
+        "text": ["first a", None, "second a", "no id", "first c", "d text", "second c"],
+        "system_prompt": ["S", "S", "S", "S", "S", None, "S"]}), docs, row_group_size=3)
+    job = make_job(docs=docs)
+    refused = CliRunner().invoke(cli, ["run", "--engine", "fake", str(job)])
+    assert refused.exit_code == 3 and "input.on_bad_row: store runs the other rows" in refused.output
+    assert not (tmp_path / "out" / "results.sqlite").exists()
+
+    result = CliRunner().invoke(cli, ["run", "--engine", "fake", "--set", "input.on_bad_row=store", str(job)])
+    assert result.exit_code == 0, result.output
+    assert "3 input rows left out (null or repeated ids" in result.output
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    rows = dict(con.execute("SELECT row_id, status || ':' || coalesce(error, '') FROM results"))
+    assert rows == {"a": "ok:", "c": "ok:", "b": "failed:input: null text (text)",
+                    "d": "failed:input: null system prompt (system_prompt)"}
+    assert con.execute("SELECT input_row_number, row_id, reason FROM rejected_rows ORDER BY 1").fetchall() == [
+        (2, "a", "duplicate id (the first row with it runs)"), (3, None, "null id"),
+        (6, "c", "duplicate id (the first row with it runs)")]
+    again = CliRunner().invoke(cli, ["run", "--engine", "fake", "--set", "input.on_bad_row=store", str(job)])
+    assert again.exit_code == 0 and "4 already done" in again.output, again.output

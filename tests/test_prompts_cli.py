@@ -148,3 +148,25 @@ def test_limit_makes_a_smoke_run_and_the_next_run_does_the_rest(make_job, tmp_pa
     assert out.exit_code == 0 and "7 run" in out.output and "5 already done" in out.output, out.output
     assert db.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 12
     assert invoke("run", "--limit", "0", job).exit_code == 2
+
+
+def test_machine_readable_stats_and_whole_job_export_to_stdout(make_job, tmp_path):
+    job = make_job(rows=12)
+    assert invoke("run", "--engine", "fake", "--quiet", "--limit", "5", job).exit_code == 0
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0  # the other 7, in a second run
+    out = CliRunner().invoke(cli, ["stats", "--job", str(job), "--last", "2", "--json"])
+    runs = json.loads(out.stdout)
+    assert [r["run"]["id"] for r in runs] == [2, 1] and [r["rows_by_status"]["ok"] for r in runs] == [7, 5]
+    assert runs[0]["stats"]["rows_total"] == 7 and isinstance(runs[0]["run"]["config_json"], dict)
+
+    out = CliRunner().invoke(cli, ["export", "--job", str(job), "--format", "jsonl"])
+    assert out.exit_code == 0, out.output
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert sorted(r["row_id"] for r in rows) == [f"r{i:03d}" for i in range(12)]  # both runs' rows
+    assert "Exported 12 rows to stdout" in out.stderr and "extraction_summary" in rows[0]
+    out = CliRunner().invoke(cli, ["export", "1", "--job", str(job), "--format", "csv", "-o", "-"])
+    assert out.stdout.count("\n") == 6  # a header and run 1's 5 rows
+    out = CliRunner().invoke(cli, ["export", "--db", str(tmp_path / "out" / "results.sqlite"), "--format", "csv"])
+    assert out.exit_code == 2 and "give RUN_ID, or --job JOB" in out.output
+    html = CliRunner().invoke(cli, ["report", "2", "--job", str(job)])
+    assert html.exit_code == 0 and html.stdout.lstrip().lower().startswith("<!doctype html")
