@@ -19,8 +19,8 @@ start)
   sleep 30; grep -vE "WARNING|INFO|^\s*$" /tmp/bench.log | tail -5 ;;
 wait)
   end=$(( $(date +%s) + $2 ))
-  while [ "$(date +%s)" -lt "$end" ] && pgrep -f "$BENCH" >/dev/null; do sleep 5; done
-  pgrep -f "$BENCH" >/dev/null && echo "still running" || echo "finished"
+  while [ "$(date +%s)" -lt "$end" ] && pgrep -f "python3 $BENCH" >/dev/null; do sleep 5; done
+  pgrep -f "python3 $BENCH" >/dev/null && echo "still running" || echo "finished"
   grep -E "doc/s|ERROR|Error|failed|runs planned|Traceback" /tmp/bench.log | tail -40
   cp /tmp/e2e.json /tmp/bench.log "$OUT"/ 2>/dev/null ;;
 esac

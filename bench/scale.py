@@ -62,17 +62,21 @@ def write_job(work: Path, parquet: Path, model: str) -> Path:
     return work / "job.yaml"
 
 
+# A child's peak RSS counts the pages it shares with its parent right after fork; this script
+# grows while it writes the input, so a small launcher forks the command and reports that.
+LAUNCHER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+
+
 def timed(cmd: list[str]) -> dict:
-    """Run cmd; its wall time and its own peak RSS (not the largest of all children so far)."""
+    """Run cmd; its wall time and its own peak RSS (not this script's, nor other children's)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.run([sys.executable, "-c", LAUNCHER, *cmd], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     wall = time.perf_counter() - t0
-    err = proc.stderr.read().decode(errors="replace")
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {err[-2000:]}")
-    return {"wall_s": round(wall, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
+    return {"wall_s": round(wall, 2), "peak_rss_mb": round(int(proc.stdout.split()[-1]) / 1024, 1)}
 
 
 def measure(rows: int, a) -> dict:

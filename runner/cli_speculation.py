@@ -54,9 +54,12 @@ def calibrate(job, wait, verbose, engine):
 @click.option("--rows", type=int, default=None, help="Rows to compare (default: verify.rows, 64).")
 @click.option("--wait", is_flag=True, help="If the job is running, wait for it instead of exiting.")
 @click.option("--verbose", "-v", is_flag=True, help="vLLM's and torch's output to stderr instead of the job's log file.")
+@click.option("--baseline", is_flag=True,
+              help="Also run the rows twice without drafts: a setting that changes no more outputs than the engine "
+                   "changes on its own (bf16 on a GPU varies with the batch) passes.")
 @click.option("--engine", type=click.Choice(["vllm", "fake"]), default="vllm", hidden=True)
 @reports_errors
-def verify(job, rows, wait, verbose, engine):
+def verify(job, rows, wait, verbose, baseline, engine):
     """Check whether JOB's speculative setting changes its greedy outputs, and store the answer.
 
     Runs the first rows of the job greedy, without drafts and with the job's speculative setting
@@ -67,20 +70,26 @@ def verify(job, rows, wait, verbose, engine):
     \b
     Example:
       runner verify jobs/summarize.yaml --rows 32
+      runner verify --baseline jobs/gpu-job.yaml
     """
     from runner.engines import build_engine
     from runner.spec import load_job
+    from runner.engines.speculation import passes
     from runner.verify import verify_job
 
     spec = load_job(job)
     _, redirect = _engine_output(spec, verbose, "verify")
     with redirect:
-        results = verify_job(spec, rows=rows, engine_factory=lambda j: build_engine(j, engine), wait=wait)
+        results = verify_job(spec, rows=rows, engine_factory=lambda j: build_engine(j, engine), wait=wait,
+                             baseline=baseline)
     if not results:
         say("Nothing to verify: the job's engine config uses no speculative decoding")
     limit = spec.engine.verify.min_agreement
+    if results and baseline:
+        say(f"without drafts, twice: {results[0].baseline_agreement:.1%} of rows unchanged (the engine's own variation)")
     for v in results:
-        verdict = "passes" if v.agreement >= limit else f"FAILS verify.min_agreement {limit:.0%}: runs will not use it"
+        verdict = "passes" if passes(v.agreement, v.baseline_agreement, limit) else \
+            f"FAILS verify.min_agreement {limit:.0%}: runs will not use it"
         say(f"{v.setting} (k={v.draft_tokens}): {v.agreement:.1%} of {v.rows} rows unchanged; {verdict} "
             f"(stored as verification #{v.verification_id})")
         say(table([(f"field {f}", f"{a:.1%} agree") for f, a in v.field_agreement.items()] or [("fields", "-")]))

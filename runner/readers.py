@@ -2,9 +2,11 @@
 
 A Reader gives Arrow record batches of the job's columns (InputSpec.columns), honouring the row
 limit; runner/inputs.py checks them (scan) and turns them into Documents. LocalReader reads a
-file, a folder or a glob (hive partitions `key=value/` become columns) a row group at a time:
-bounded memory (pyarrow's whole-file iterator kept 130 MB more at a million rows, and its dataset
-scanner 80 MB more). RayDataReader reads through Ray Data for the `ray` executor.
+file, a folder or a glob (hive partitions `key=value/` become columns) of Parquet, JSON Lines,
+CSV, or OpenAI batch files (vLLM run_batch's input: custom_id and body.messages). Parquet is read
+a row group at a time: bounded memory (pyarrow's whole-file iterator kept 130 MB more at a
+million rows, and its dataset scanner 80 MB more); JSON Lines and CSV stream through
+pyarrow.dataset. RayDataReader reads through Ray Data for the `ray` executor.
 """
 from __future__ import annotations
 
@@ -17,18 +19,36 @@ from runner.errors import InputError
 from runner.spec import InputSpec
 
 
-def input_files(path: str) -> list[str]:
-    """The Parquet files a job's input path names: a file, a folder of .parquet files, or a glob."""
+# File name endings of each input format; input.format names one, else the ending decides.
+EXTENSIONS = {"parquet": (".parquet", ".pq"), "jsonl": (".jsonl", ".ndjson", ".json"), "csv": (".csv",),
+              "openai-batch": (".jsonl",)}
+
+
+def file_format(file: str, declared: Optional[str]) -> str:
+    """The format a file is read as: input.format, else its name's ending."""
+    if declared:
+        return declared
+    for fmt, endings in EXTENSIONS.items():
+        if file.lower().endswith(endings):
+            return fmt
+    raise InputError(f"{file}: cannot tell the input format from the name; set input.format "
+                     f"({', '.join(EXTENSIONS)})")
+
+
+def input_files(path: str, declared: Optional[str] = None) -> list[str]:
+    """The files a job's input path names: a file, a folder (its files of the format, or of any
+    known format), or a glob."""
+    endings = EXTENSIONS[declared] if declared else tuple(e for es in EXTENSIONS.values() for e in es)
     if any(ch in path for ch in "*?["):
         files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
     elif os.path.isdir(path):
-        files = sorted(str(p) for p in Path(path).rglob("*.parquet"))
+        files = sorted(str(p) for p in Path(path).rglob("*") if p.is_file() and p.name.lower().endswith(endings))
     elif os.path.isfile(path):
         files = [path]
     else:
         raise InputError(f"{path}: input file not found")
     if not files:
-        raise InputError(f"{path}: no Parquet files match")
+        raise InputError(f"{path}: no input files match (Parquet, JSON Lines, CSV: {', '.join(sorted(set(endings)))})")
     return files
 
 
@@ -39,7 +59,7 @@ class Reader:
         self.input_path, self.spec = input_path, spec
 
     def files(self) -> list[str]:
-        return input_files(self.input_path)
+        return input_files(self.input_path, self.spec.format)
 
     def batches(self, columns: Optional[list[str]] = None) -> Iterator[tuple[str, object]]:
         raise NotImplementedError
@@ -66,22 +86,50 @@ class LocalReader(Reader):
         columns = columns or self.spec.column_names()
         left = self.spec.limit
         for file, partition in self._fragments():
+            try:
+                for batch in self._file_batches(file, partition, columns):
+                    if left is not None:
+                        if left <= 0:
+                            return
+                        batch = batch.slice(0, left)
+                        left -= batch.num_rows
+                    yield file, _with_partition(batch, partition, columns)
+            except (OSError, pa.ArrowException) as exc:
+                raise InputError(f"{file}: corrupt or unreadable {file_format(file, self.spec.format)} data ({exc})") from None
+            if left is not None and left <= 0:
+                return
+
+    def _file_batches(self, file: str, partition: dict, columns: list[str]):
+        fmt = file_format(file, self.spec.format)
+        if fmt == "parquet":
             pf = self._open(file, columns)
             self._check_columns(file, set(pf.schema_arrow.names) | set(partition))
             present = [c for c in columns if c not in partition]
-            try:
-                for rg in range(pf.num_row_groups):
-                    for batch in pf.iter_batches(batch_size=self.spec.batch_rows, row_groups=[rg], columns=present):
-                        if left is not None:
-                            if left <= 0:
-                                return
-                            batch = batch.slice(0, left)
-                            left -= batch.num_rows
-                        yield file, _with_partition(batch, partition, columns)
-            except (OSError, pa.ArrowException) as exc:
-                raise InputError(f"{file}: corrupt Parquet data ({exc})") from None
-            if left is not None and left <= 0:
-                return
+            for rg in range(pf.num_row_groups):
+                yield from pf.iter_batches(batch_size=self.spec.batch_rows, row_groups=[rg], columns=present)
+        elif fmt == "openai-batch":
+            from runner.openai_batch import batches
+
+            first = True
+            for batch in batches(file, self.spec.batch_rows):
+                if first:
+                    self._check_columns(file, set(batch.schema.names) | set(partition))
+                    first = False
+                yield batch.select([c for c in columns if c not in partition])
+        else:
+            yield from self._dataset_batches(file, fmt, partition, columns)
+
+    def _dataset_batches(self, file: str, fmt: str, partition: dict, columns: list[str]):
+        """JSON Lines or CSV through pyarrow.dataset, a batch at a time."""
+        import pyarrow.dataset as ds
+
+        try:
+            data = ds.dataset(file, format="json" if fmt == "jsonl" else "csv")
+        except PermissionError:
+            raise InputError(f"{file}: cannot read input (permission denied)") from None
+        self._check_columns(file, set(data.schema.names) | set(partition))
+        present = [c for c in columns if c not in partition]
+        yield from data.to_batches(columns=present, batch_size=self.spec.batch_rows)
 
     def _fragments(self) -> Iterator[tuple[str, dict]]:
         """(file, hive partition values) for each file, in path order: folders named `key=value`
@@ -139,7 +187,17 @@ class RayDataReader(Reader):
     def batches(self, columns: Optional[list[str]] = None) -> Iterator[tuple[str, object]]:
         ctx = self.ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True  # deterministic plans, same as the local reader
-        ds = self.ray.data.read_parquet(self.files(), columns=columns or self.spec.column_names())
+        files, columns = self.files(), columns or self.spec.column_names()
+        formats = {file_format(f, self.spec.format) for f in files}
+        if formats == {"parquet"}:
+            ds = self.ray.data.read_parquet(files, columns=columns)
+        elif formats == {"jsonl"}:
+            ds = self.ray.data.read_json(files).select_columns(columns)
+        elif formats == {"csv"}:
+            ds = self.ray.data.read_csv(files).select_columns(columns)
+        else:
+            raise InputError(f"{self.input_path}: the ray executor reads one of Parquet, JSON Lines or CSV at a time "
+                             f"(found {', '.join(sorted(formats))}); run OpenAI batch files with executor: local")
         if self.spec.limit:
             ds = ds.limit(self.spec.limit)
         return ((self.input_path, b) for b in ds.iter_batches(batch_size=self.spec.batch_rows, batch_format="pyarrow"))

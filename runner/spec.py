@@ -6,7 +6,6 @@ is loaded and checked. Every problem becomes one SpecError naming the file and t
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
@@ -18,10 +17,13 @@ from runner.errors import InputError, SpecError
 from runner.overrides import apply_overrides
 from runner.prompt_spec import PromptSpec, load_prompts
 from runner.sampling_spec import SamplingSpec
+from runner.schema_file import load_schema
 
 
 class InputSpec(Strict):
-    path: str = Field(description="Parquet file, folder or glob, relative to the job file")
+    path: str = Field(description="a file, folder or glob, relative to the job file")
+    format: Optional[Literal["parquet", "jsonl", "csv", "openai-batch"]] = Field(default=None, description=(
+        "default: from each file's ending; openai-batch reads vLLM run_batch files (columns custom_id, system, user)"))
     id_column: str
     text_column: str
     system_prompt_column: Optional[str] = None
@@ -202,70 +204,6 @@ def load_engine_config(path: Path, overrides: dict[str, Any], job_path: Path) ->
     except ValidationError as exc:
         err = exc.errors()[0]
         raise SpecError(f"{job_path}: engine.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-
-
-def load_schema(path: Path, where: str) -> dict[str, Any]:
-    """Load a JSON Schema file and check that it is a valid schema."""
-    import jsonschema
-
-    try:
-        schema = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SpecError(f"{where}: output_schema: file not found: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SpecError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(schema, dict):
-        raise SpecError(f"{path}: a JSON Schema must be an object")
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        loc = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-        raise SpecError(f"{path}: not a valid JSON Schema at {loc}: {exc.message}") from None
-    remote = next(remote_refs(schema), None)
-    if remote is not None:
-        where, ref = remote
-        raise SpecError(f"{path}: {where}: $ref {ref!r} points outside the file; the runner never fetches "
-                        f"schemas (it runs without a network): copy it under $defs and use \"#/$defs/NAME\"")
-    return schema
-
-
-_REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
-
-
-def remote_refs(schema: Any, where: str = "#"):
-    """(location, reference) of every reference that is not inside the document itself: local ones
-    start with `#` or name an `$id` the document defines."""
-    from urllib.parse import urljoin
-
-    root = schema.get("$id", "").split("#", 1)[0] if isinstance(schema, dict) else ""
-    ids = {urljoin(root, i) for i in _ids(schema)} | {root}
-    for loc, ref in _refs(schema, where):
-        base = ref.split("#", 1)[0]
-        if base and urljoin(root, base) not in ids:
-            yield loc, ref
-
-
-def _refs(node: Any, where: str):
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in _REF_KEYS and isinstance(value, str):
-                yield f"{where}/{key}", value
-            else:
-                yield from _refs(value, f"{where}/{key}")
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            yield from _refs(value, f"{where}/{i}")
-
-
-def _ids(node: Any):
-    if isinstance(node, dict):
-        if isinstance(node.get("$id"), str):
-            yield node["$id"].split("#", 1)[0]
-        for value in node.values():
-            yield from _ids(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _ids(value)
 
 
 def load_job(path: str | Path, overrides: Sequence[str] = ()) -> Job:

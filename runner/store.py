@@ -21,6 +21,7 @@ from runner import __version__
 from runner.errors import StoreError
 from runner.migrations import migrate, utc_now
 from runner.rows import RESULT_COLUMNS, ResultRow, StatsRow
+from runner.store_speculation import SpeculationRecords
 
 BUSY_TIMEOUT_MS = 30_000
 _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
@@ -28,7 +29,7 @@ _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({
                    + ", ".join(f"{c} = excluded.{c}" for c in RESULT_COLUMNS if c not in ("job_name", "row_id")))
 
 
-class Store:
+class Store(SpeculationRecords):
     """One SQLite results database."""
 
     def __init__(self, path: Path | str):
@@ -202,62 +203,12 @@ class Store:
         with self._tx() as conn:
             return conn.execute(self.results.delete().where(self.results.c.job_name == job_name)).rowcount
 
-    # -- calibrations -----------------------------------------------------------------------
-    def latest_calibration(self, key_sha256: str) -> Optional[dict]:
-        """The newest stored calibration for this key, or None."""
-        q = select(self.calibrations).where(self.calibrations.c.key_sha256 == key_sha256) \
-            .order_by(self.calibrations.c.id.desc()).limit(1)
-        with self.engine.connect() as conn:
-            row = conn.execute(q).mappings().first()
-            return dict(row) if row else None
-
-    def save_calibration(self, *, key: dict, key_sha256: str, job_name: str, run_id: Optional[int],
-                         chosen_draft_tokens: int, speculative: Optional[dict], kv_total_blocks: Optional[int],
-                         engine_start_s: Optional[float], record: dict) -> int:
-        values = dict(key_sha256=key_sha256, key_json=json.dumps(key, sort_keys=True), job_name=job_name,
-                      run_id=run_id, chosen_draft_tokens=chosen_draft_tokens,
-                      speculative_json=json.dumps(speculative, sort_keys=True) if speculative else None,
-                      kv_total_blocks=kv_total_blocks, engine_start_s=engine_start_s,
-                      record_json=json.dumps(record, sort_keys=True, default=str), created_at_utc=utc_now())
-        with self._tx() as conn:
-            return conn.execute(self.calibrations.insert().values(**values)).inserted_primary_key[0]
-
-    # -- verifications and drafts -------------------------------------------------------------
-    def save_verification(self, *, key_sha256: str, setting: dict, job_name: str, rows: int, agreement: float,
-                          field_agreement: dict, differences: list) -> int:
-        values = dict(key_sha256=key_sha256, setting_json=json.dumps(setting, sort_keys=True), job_name=job_name,
-                      rows=rows, agreement=agreement, field_agreement_json=json.dumps(field_agreement, sort_keys=True),
-                      differences_json=json.dumps(differences, ensure_ascii=False), created_at_utc=utc_now())
-        with self._tx() as conn:
-            return conn.execute(self.verifications.insert().values(**values)).inserted_primary_key[0]
-
-    def latest_verification(self, key_sha256: str, setting: Optional[dict]) -> Optional[dict]:
-        if setting is None:
-            return None
-        v = self.verifications.c
-        q = select(self.verifications).where(v.key_sha256 == key_sha256,
-                                             v.setting_json == json.dumps(setting, sort_keys=True)).order_by(v.id.desc()).limit(1)
-        with self.engine.connect() as conn:
-            row = conn.execute(q).mappings().first()
-            return dict(row) if row else None
-
     def save_rejected(self, run_id: int, job_name: str, rows: list[tuple[int, Optional[str], str]]) -> None:
         """Input rows a run left out (input.on_bad_row: store): (row number, id, reason)."""
         with self._tx() as conn:
             conn.exec_driver_sql(
                 "INSERT INTO rejected_rows (run_id, job_name, input_row_number, row_id, reason) VALUES (?, ?, ?, ?, ?)",
                 [(run_id, job_name, n, rid, why) for n, rid, why in rows])
-
-    def save_draft(self, **values) -> int:
-        values = values | {"train_json": json.dumps(values["train_json"], sort_keys=True), "created_at_utc": utc_now()}
-        with self._tx() as conn:
-            return conn.execute(self.drafts.insert().values(**values)).inserted_primary_key[0]
-
-    def latest_draft(self, job_name: str) -> Optional[dict]:
-        d = self.drafts.c
-        with self.engine.connect() as conn:
-            row = conn.execute(select(self.drafts).where(d.job_name == job_name).order_by(d.id.desc()).limit(1)).mappings().first()
-            return dict(row) if row else None
 
     def ok_results(self, job_name: str, fingerprint: Optional[str] = None) -> Iterable[tuple[str, str, Optional[str]]]:
         """(row id, output text, generated token ids as JSON) of the job's ok rows (of one

@@ -121,3 +121,45 @@ def test_on_bad_row_store_records_bad_rows_and_runs_the_rest(make_job, tmp_path)
         (6, "c", "duplicate id (the first row with it runs)")]
     again = CliRunner().invoke(cli, ["run", "--engine", "fake", "--set", "input.on_bad_row=store", str(job)])
     assert again.exit_code == 0 and "4 already done" in again.output, again.output
+
+
+def test_jsonl_csv_and_openai_batch_inputs_run_like_parquet(make_job, tmp_path):
+    """The same documents as JSON Lines (in hive partitions), CSV, and an OpenAI batch file
+    (vLLM run_batch's input) give the same rows, prompts and groups as Parquet."""
+    import csv
+    import sqlite3
+
+    rows = [{"id": f"r{i}", "text": f"Review {i}: it broke.", "system_prompt": f"Prompt {i % 2}"} for i in range(6)]
+    for part in ("2026-11-29", "2026-11-30"):
+        d = tmp_path / "jsonl" / f"day={part}"
+        d.mkdir(parents=True)
+        (d / "docs.jsonl").write_text("".join(json.dumps(r | {"id": f"{r['id']}-{part}"}) + "\n" for r in rows[:3]))
+    with open(tmp_path / "docs.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, ["id", "text", "system_prompt"])
+        w.writeheader()
+        w.writerows(rows)
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps({
+        "custom_id": r["id"], "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": [{"role": "system", "content": r["system_prompt"]},
+                                            {"role": "user", "content": [{"type": "text", "text": r["text"]}]}]}}) + "\n"
+        for r in rows))
+    job = make_job()
+    cases = {
+        "jsonl": ["--set", "input.path=jsonl", "--set", "input.extra_columns=[day]"],
+        "csv": ["--set", "input.path=docs.csv"],
+        "openai": ["--set", "input.path=batch.jsonl", "--set", "input.format=openai-batch", "--set", "input.id_column=custom_id",
+                   "--set", "input.text_column=user", "--set", "input.system_prompt_column=system"],
+    }
+    for name, args in cases.items():
+        db = tmp_path / f"{name}.sqlite"
+        plan = CliRunner().invoke(cli, ["plan", *args, str(job)])
+        assert plan.exit_code == 0 and "2 groups, 6 rows" in plan.output, (name, plan.output)
+        out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", *args, "--set", f"output.database={db}", str(job)])
+        assert out.exit_code == 0, (name, out.output)
+        ids = sorted(r[0] for r in sqlite3.connect(db).execute("SELECT row_id FROM results WHERE status = 'ok'"))
+        expected = sorted(f"r{i}-{d}" for i in range(3) for d in ("2026-11-29", "2026-11-30")) if name == "jsonl" \
+            else [f"r{i}" for i in range(6)]
+        assert ids == expected, name
+    (tmp_path / "batch.jsonl").write_text('{"custom_id": "x", "body": {}}\n')
+    bad = CliRunner().invoke(cli, ["validate", *cases["openai"], str(job)])
+    assert bad.exit_code == 3 and "batch.jsonl: line 1: not an OpenAI batch request" in bad.output

@@ -63,7 +63,7 @@ def _write(tmp_path, **cols):
 
 @pytest.mark.parametrize("make, expected", [
     (lambda p: str(p / "missing.parquet"), "missing.parquet: input file not found"),
-    (lambda p: str(p / "none-*.parquet"), "no Parquet files match"),
+    (lambda p: str(p / "none-*.parquet"), "no input files match"),
     (lambda p: _write(p, id=pa.array([], pa.string()), text=pa.array([], pa.string()),
                       system_prompt=pa.array([], pa.string())), "the input has no rows"),
     (lambda p: _write(p, ident=["a"], text=["t"], system_prompt=["s"]), "column 'id' (input.id_column) not found"),

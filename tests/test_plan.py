@@ -68,9 +68,9 @@ def test_summary_counts_real_tokens_per_group(model_dir):
 
 
 def test_prompt_builder_matches_the_models_chat_template(model_dir):
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast  # AutoTokenizer's class for this folder derives from it
 
-    hf = AutoTokenizer.from_pretrained(model_dir)
+    hf = PreTrainedTokenizerFast.from_pretrained(model_dir)
     messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello there"}]
     b = PromptBuilder(model_dir)
     expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -6,9 +6,9 @@ count. The test asserts that slope (bytes per extra row), not a time.
 """
 from __future__ import annotations
 
-import os
 import random
 import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,11 +32,17 @@ def write_rows(path, n: int):
     return path
 
 
+# A child's peak RSS counts the pages it shares with its parent right after fork: measured from
+# pytest, it would be the size of this test process (which grows as tests run). A small launcher
+# forks the command and reports its children's peak instead.
+LAUNCHER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+
+
 def peak_rss_mb(cmd) -> float:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, proc.stderr.read().decode()[-2000:]
-    return usage.ru_maxrss / 1024
+    proc = subprocess.run([sys.executable, "-c", LAUNCHER, *map(str, cmd)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(proc.stdout.split()[-1]) / 1024
 
 
 def test_peak_memory_does_not_grow_with_the_row_count(make_job, tmp_path):

@@ -41,12 +41,15 @@ def vllm_templates() -> dict[str, str]:
 def real_templates() -> dict[str, str]:
     """Chat templates of real models that installed packages carry."""
     out = {}
-    try:
-        from transformers.models.llama4.processing_llama4 import chat_template
+    import ast
+    import importlib.util
 
-        out["llama4"] = chat_template
-    except ImportError:
-        pass
+    spec = importlib.util.find_spec("transformers")
+    llama4 = Path(list(spec.submodule_search_locations)[0]) / "models" / "llama4" / "processing_llama4.py" if spec else None
+    if llama4 is not None and llama4.is_file():  # read, not imported: importing it costs seconds
+        for node in ast.parse(llama4.read_text()).body:
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "chat_template":
+                out["llama4"] = ast.literal_eval(node.value)
     try:
         from mistral_common.integrations.chat_templates.chat_templates import generate_chat_template
         from mistral_common.tokens.tokenizers.base import TokenizerVersion
@@ -73,9 +76,11 @@ def folder_with(template, tiny_model_dir: Path, tmp_path: Path, name: str) -> Pa
 
 
 def transformers_render(folder: Path, messages: list[dict], **kwargs) -> str:
-    from transformers import AutoTokenizer
+    # The fast-tokenizer class AutoTokenizer resolves these folders to (or its base class, whose
+    # apply_chat_template it inherits); imported directly, without the seconds `AutoTokenizer` costs.
+    from transformers import PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
 
 

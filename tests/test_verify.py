@@ -84,3 +84,30 @@ def test_verify_command_prints_the_verdict_and_differences(make_job):
     assert "100.0% of 4 rows unchanged; passes" in out.output and "field summary" in out.output
     out = CliRunner().invoke(cli, ["verify", "--engine", "fake", str(make_job(rows=3, engine={"speculative": None}))])
     assert "Nothing to verify" in out.output
+
+
+def test_a_baseline_separates_the_engines_own_variation_from_the_drafts(make_job):
+    """Where two runs without drafts already differ (bf16 on a GPU varies with the batch), verify
+    --baseline measures that, and a setting that changes no more rows than that passes."""
+    runs = []
+
+    def noisy_factory(j):
+        drafting, nth = j.engine.speculative is not None, len(runs)
+        runs.append(drafting)
+
+        def respond(r):  # the second plain run differs on r002 and r003; drafts change r001 and r004
+            changed = (drafting and r.row_id in CHANGED) or (nth == 1 and r.row_id in {"r002", "r003"})
+            return json.dumps({"summary": "changed" if changed else f"fake {r.row_id}", "sentiment": "neutral"})
+
+        return FakeEngine(SCHEMA, respond=respond)
+
+    job = load_job(make_job(rows=10))
+    out = CliRunner().invoke(cli, ["verify", "--engine", "fake", "--rows", "10", "--baseline", str(job.path)])
+    [v] = verify_job(job, rows=10, engine_factory=noisy_factory, baseline=True)
+    assert runs == [False, False, True] and v.baseline_agreement == 0.8 and v.agreement == 0.8
+    assert sqlite3.connect(job.database_path).execute(
+        "SELECT agreement, baseline_agreement FROM verifications ORDER BY id DESC").fetchone() == (0.8, 0.8)
+    started, notes = [], []
+    run_job(job, engine_factory=drifting_factory(started), notify=notes.append)
+    assert started == [True] and not notes  # as often unchanged as the baseline: the drafts stay
+    assert out.exit_code == 0 and "without drafts, twice: 100.0% of rows unchanged" in out.output

@@ -29,6 +29,12 @@ def setting_key(speculative: Optional[dict]) -> Optional[dict]:
     return {k: v for k, v in speculative.items() if k != "num_speculative_tokens"} if speculative else None
 
 
+def passes(agreement: float, baseline: Optional[float], min_agreement: float) -> bool:
+    """A setting passes when it changes no more outputs than min_agreement allows, or no more than
+    the engine changes between two runs without drafts."""
+    return agreement >= min_agreement or (baseline is not None and agreement >= baseline)
+
+
 def predict(spec: Phase, plain: Phase) -> dict[int, float]:
     """Predicted throughput of each draft length relative to no speculation.
 

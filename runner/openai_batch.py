@@ -1,0 +1,55 @@
+"""OpenAI batch files (what vLLM's run_batch reads) as input: one request per line,
+`{"custom_id": ..., "body": {"messages": [...]}}`.
+
+Each line becomes a row with the columns `custom_id`, `system` (the system message, if any) and
+`user` (the last user message): a job names them as input.id_column, system_prompt_column and
+text_column. The body's other fields (model, max_tokens, response_format) are not used: the job's
+sampling and output schema apply to every row.
+"""
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+from runner.errors import InputError
+
+COLUMNS = ("custom_id", "system", "user")
+
+
+def row(line: str, file: str, number: int) -> dict:
+    """One request line as a row; an InputError names the file and line of a malformed one."""
+    try:
+        request = json.loads(line)
+        messages = request["body"]["messages"]
+        by_role: dict[str, str] = {}
+        for m in messages:
+            by_role[m["role"]] = _text(m["content"])
+        return {"custom_id": request["custom_id"], "system": by_role.get("system"), "user": by_role.get("user")}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{file}: line {number}: not an OpenAI batch request with custom_id and body.messages "
+                         f"({exc.__class__.__name__}: {exc})") from None
+
+
+def _text(content) -> str:
+    """A message's text: a string, or the text parts of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part.get("type") == "text")
+
+
+def batches(file: str, batch_rows: int) -> Iterator:
+    """Arrow record batches of at most batch_rows requests, read line by line (bounded memory)."""
+    import pyarrow as pa
+
+    schema = pa.schema([(c, pa.string()) for c in COLUMNS])
+    rows: list[dict] = []
+    with open(file, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            rows.append(row(line, file, number))
+            if len(rows) >= batch_rows:
+                yield pa.RecordBatch.from_pylist(rows, schema=schema)
+                rows = []
+    if rows:
+        yield pa.RecordBatch.from_pylist(rows, schema=schema)
