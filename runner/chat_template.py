@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
-from runner.errors import ModelError
+from runner.errors import ModelError, TemplateError
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: each is a template variable when the tokenizer sets it.
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -81,7 +81,7 @@ def compile_template(source: str):
     try:
         return env.from_string(source)
     except jinja2.TemplateError as exc:
-        raise ModelError(f"chat template: {exc.__class__.__name__}: {exc}") from None
+        raise TemplateError(f"chat template: {exc.__class__.__name__}: {exc}") from None
 
 
 def render(template, messages: list[dict], variables: dict[str, Any]) -> str:
@@ -94,7 +94,7 @@ def render(template, messages: list[dict], variables: dict[str, Any]) -> str:
     except ModelError:
         raise
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        raise ModelError(f"chat template: {exc.__class__.__name__}: {exc}") from None
+        raise TemplateError(f"chat template: {exc.__class__.__name__}: {exc}") from None
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -103,4 +103,4 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 
 def _raise(message: str):
-    raise ModelError(f"chat template: {message}")
+    raise TemplateError(f"chat template: {message}")

@@ -36,7 +36,7 @@ def reports_errors(fn):
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="runner")
 def cli():
-    """Offline batch LLM extraction over Parquet documents, with vLLM, into SQLite.
+    """Offline batch LLM extraction over documents (Parquet, JSON Lines, CSV, OpenAI batch files), with vLLM, into SQLite.
 
     \b
     Example:
@@ -170,7 +170,9 @@ def validate(job, overrides):
     from runner.spec import load_job
 
     spec = load_job(job, overrides)
-    scan = LocalReader(spec.input_path, spec.spec.input).scan()
+    reader = LocalReader(spec.input_path, spec.spec.input)
+    scan = reader.scan()
+    _check_prompt(spec, reader, scan)
     model = "ready" if is_model_dir(spec.model_path, weights=spec.engine.needs_weights) else "MISSING (runner prepare-model)"
     say(f"OK: {job}")
     say(table([
@@ -181,6 +183,26 @@ def validate(job, overrides):
         ("model", f"{spec.model_path} [{model}]"),
         ("database", str(spec.database_path)),
     ]))
+
+
+def _check_prompt(spec, reader, scan) -> None:
+    """Build the first row's prompt: a chat template that does not compile or render stops
+    `validate` here, not a night's run (a missing model is reported in validate's table)."""
+    from runner.errors import ModelError
+    from runner.prompting import builder_for
+
+    try:
+        builder = builder_for(spec)
+    except ModelError:
+        return
+    doc = next(iter(reader.documents(spec.system_source, scan.skip)), None)
+    if doc is None or doc.problem:
+        return
+    try:
+        user = builder.user_text(doc)
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError):
+        return  # a row that does not fit the user template is stored failed, not a job error
+    builder.prompt_ids(doc.system_prompt, user)
 
 
 @cli.command()

@@ -11,8 +11,9 @@ from runner.cli_output import say, stats_table, table, warn
 from runner.summary import fmt
 
 
-def _open_store(job, db):
-    """The results database named by --job or --db, and the job's name when --job was given."""
+def _open_store(job, db, overrides=()):
+    """The results database named by --job (with its --set settings) or --db, and the job's name
+    when --job was given."""
     from runner.errors import SpecError, StoreError
     from runner.store import Store
 
@@ -20,7 +21,7 @@ def _open_store(job, db):
     if job:
         from runner.spec import load_job
 
-        spec = load_job(job)
+        spec = load_job(job, overrides)
         db, job_name = spec.database_path, spec.name
     if not db:
         raise SpecError("give --job JOB or --db DATABASE")
@@ -33,6 +34,8 @@ def db_options(fn):
     for option in reversed([
         click.option("--job", "job", type=click.Path(dir_okay=False), help="Job file whose database to read."),
         click.option("--db", "db", type=click.Path(dir_okay=False), help="Results database to read."),
+        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                     help="A job setting as `runner run --set` took it (e.g. output.database=...)."),
     ]):
         fn = option(fn)
     return fn
@@ -41,10 +44,10 @@ def db_options(fn):
 @cli.command()
 @click.argument("run_id", required=False, type=int)
 @db_options
-@click.option("--last", "last", default=1, show_default=True, help="How many recent runs to show.")
+@click.option("--last", "last", default=1, show_default=True, type=click.IntRange(min=1), help="How many recent runs to show.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout: runs, their stats and row counts.")
 @reports_errors
-def stats(run_id, job, db, last, as_json):
+def stats(run_id, job, db, overrides, last, as_json):
     """Show the stats of run RUN_ID, or of the last runs of a job.
 
     \b
@@ -55,7 +58,7 @@ def stats(run_id, job, db, last, as_json):
     """
     from runner.errors import StoreError
 
-    store, job_name = _open_store(job, db)
+    store, job_name = _open_store(job, db, overrides)
     runs = [store.run(run_id)] if run_id is not None else store.latest_runs(job_name, last)
     if not runs or runs[0] is None:
         raise StoreError(f"{store.path}: no run {run_id}" if run_id is not None else f"{store.path}: no runs yet")
@@ -70,6 +73,16 @@ def stats(run_id, job, db, last, as_json):
             ("engine", f"{r['engine_backend'] or '-'} {r['engine_version'] or ''} {r['engine_settings_json'] or ''}"),
             ("engine log", r.get("log_path") or "-"),
         ] + ([("error", r["error"])] if r["error"] else [])))
+
+
+def _write_text(path: Path, text: str) -> None:
+    from runner.errors import RunnerError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise RunnerError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
 
 def _run_json(store, r: dict) -> dict:
@@ -124,7 +137,7 @@ def status(job):
 @click.option("-o", "--output", "output", default="-", show_default=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="HTML file to write; - for stdout.")
 @reports_errors
-def report(run_id, job, db, output):
+def report(run_id, job, db, overrides, output):
     """Write an HTML report of run RUN_ID: throughput over time, per-group cache hits, statuses, tokens.
 
     The file is self-contained (plots are inline SVG) and opens in any browser.
@@ -135,12 +148,12 @@ def report(run_id, job, db, output):
     """
     from runner.report import render_report
 
-    store, _ = _open_store(job, db)
+    store, _ = _open_store(job, db, overrides)
     html = render_report(store, run_id)
     if output == "-":
         click.echo(html, nl=False)
         return
-    Path(output).write_text(html, encoding="utf-8")
+    _write_text(Path(output), html)
     say(f"Report: {output}")
 
 
@@ -151,7 +164,7 @@ def report(run_id, job, db, output):
 @click.option("-o", "--output", "output", default="-", show_default=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="File to write; - for stdout.")
 @reports_errors
-def export(run_id, job, db, fmt_, output):
+def export(run_id, job, db, overrides, fmt_, output):
     """Export results, with the extraction's top-level fields as columns: run RUN_ID's, or without
     RUN_ID the whole job's (--job: the latest result of every row, whichever run made it).
 
@@ -166,7 +179,7 @@ def export(run_id, job, db, fmt_, output):
     from runner.errors import SpecError
     from runner.export import export_run
 
-    store, job_name = _open_store(job, db)
+    store, job_name = _open_store(job, db, overrides)
     if run_id is None and job_name is None:
         raise SpecError("give RUN_ID, or --job JOB to export the whole job")
     to_stdout = output == "-"

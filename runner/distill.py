@@ -68,9 +68,10 @@ def examples(job: Job, store: Store, builder: PromptBuilder, max_rows: Optional[
                            f"(rows stored by runner 0.2 and later have them: run the job again)")
     eos = builder.eos_token_id()
     out = []
-    for doc in LocalReader(job.input_path, job.spec.input).documents(job.system_source):
+    reader = LocalReader(job.input_path, job.spec.input)
+    for doc in reader.documents(job.system_source, reader.scan().skip):  # rejected rows made no output
         ids = outputs.get(doc.row_id)
-        if ids is None:
+        if ids is None or doc.problem:
             continue
         try:
             prompt = builder.prompt_ids(doc.system_prompt, builder.user_text(doc))

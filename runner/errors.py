@@ -17,6 +17,10 @@ class SpecError(RunnerError):
     exit_code = 2
 
 
+class TemplateError(SpecError):
+    """The chat template (the model's or prompts.chat_template) failed to compile or render."""
+
+
 class InputError(RunnerError):
     """The input Parquet is missing, unreadable, or its rows break the job's contract."""
 

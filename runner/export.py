@@ -46,7 +46,10 @@ def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path
             cols[_col(f, scalar)].append(v if scalar or v is None else json.dumps(v, ensure_ascii=False))
     import pyarrow as pa
 
-    _write(pa.table({c: _array(v) for c, v in cols.items()}), fmt, out)
+    try:
+        _write(pa.table({c: _array(v) for c, v in cols.items()}), fmt, out)
+    except OSError as exc:
+        raise StoreError(f"{out}: cannot write: {exc.strerror or exc}") from None
     return n
 
 

@@ -193,8 +193,13 @@ def documents_from_batches(batches, spec: InputSpec, system_prompt, skip=frozens
             problem = (f"input: null text ({spec.text_column})" if texts[i] is None else
                        f"input: null system prompt ({spec.system_prompt_column})" if systems[i] is None
                        and spec.system_prompt_column else None)
-            yield Document(row_id=rid, text=texts[i] or "", fields=fields, problem=problem,
-                           system_prompt=system_prompt(fields) if callable(system_prompt) else systems[i])
+            system = systems[i]
+            if callable(system_prompt):  # prompts.system_template: a value it cannot take fails this row only
+                try:
+                    system = system_prompt(fields)
+                except InputError as exc:
+                    system, problem = None, problem or str(exc)
+            yield Document(row_id=rid, text=texts[i] or "", fields=fields, problem=problem, system_prompt=system)
 
 
 def prefetch(items, max_items: int) -> Iterator:

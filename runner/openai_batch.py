@@ -1,8 +1,8 @@
 """OpenAI batch files (what vLLM's run_batch reads) as input: one request per line,
 `{"custom_id": ..., "body": {"messages": [...]}}`.
 
-Each line becomes a row with the columns `custom_id`, `system` (the system message, if any) and
-`user` (the last user message): a job names them as input.id_column, system_prompt_column and
+Each line becomes a row with the columns `custom_id`, `system` (the system message; empty when
+there is none) and `user` (the last user message): a job names them as input.id_column, system_prompt_column and
 text_column. The body's other fields (model, max_tokens, response_format) are not used: the job's
 sampling and output schema apply to every row.
 """
@@ -23,18 +23,23 @@ def row(line: str, file: str, number: int) -> dict:
         messages = request["body"]["messages"]
         by_role: dict[str, str] = {}
         for m in messages:
-            by_role[m["role"]] = _text(m["content"])
-        return {"custom_id": request["custom_id"], "system": by_role.get("system"), "user": by_role.get("user")}
-    except (ValueError, KeyError, TypeError) as exc:
+            by_role[m["role"]] = _text(m.get("content"))
+        custom_id = request["custom_id"]
+        if not isinstance(custom_id, (str, int)) or isinstance(custom_id, bool):
+            raise TypeError(f"custom_id must be text or an integer, not {type(custom_id).__name__}")
+        # No system message: an empty system prompt (the rows group together, with none).
+        return {"custom_id": str(custom_id), "system": by_role.get("system", ""), "user": by_role.get("user")}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InputError(f"{file}: line {number}: not an OpenAI batch request with custom_id and body.messages "
                          f"({exc.__class__.__name__}: {exc})") from None
 
 
 def _text(content) -> str:
-    """A message's text: a string, or the text parts of a list of content parts."""
-    if isinstance(content, str):
-        return content
-    return "".join(part["text"] for part in content if part.get("type") == "text")
+    """A message's text: a string, or the text parts of a list of content parts (null: none)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part if isinstance(part, str) else part["text"] for part in content
+                   if isinstance(part, str) or part.get("type") == "text")
 
 
 def batches(file: str, batch_rows: int) -> Iterator:
@@ -43,8 +48,12 @@ def batches(file: str, batch_rows: int) -> Iterator:
 
     schema = pa.schema([(c, pa.string()) for c in COLUMNS])
     rows: list[dict] = []
-    with open(file, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
+    with open(file, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InputError(f"{file}: line {number}: not UTF-8 text") from None
             if not line.strip():
                 continue
             rows.append(row(line, file, number))

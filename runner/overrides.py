@@ -15,10 +15,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         parts = key.strip().split(".")
         if not sep or not all(parts):
             raise SpecError(f"--set {item}: expected KEY=VALUE, e.g. --set engine.max_num_seqs=64")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            raise SpecError(f"--set {item}: the value is not valid YAML") from None
+        value = _value(text)
         node = raw
         for i, part in enumerate(parts[:-1]):
             if node.get(part) is None:
@@ -28,3 +25,23 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             node = node[part]
         node[parts[-1]] = value
     return raw
+
+
+def _value(text: str) -> Any:
+    """A value as YAML reads it (64, true, null, [a, b]), except where YAML would turn text into a
+    structure the user did not write as one: `Note: be brief` and `{title}: {text}` stay text."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    stripped = text.strip()
+    if isinstance(value, dict) and not stripped.startswith("{") or isinstance(value, list) and not stripped.startswith("["):
+        return text
+    if isinstance(value, dict) and stripped.startswith("{") and not _is_flow_mapping(stripped):
+        return text
+    return value
+
+
+def _is_flow_mapping(text: str) -> bool:
+    """`{a: 1}` is a mapping; `{title}: {text}` (a template) is text that YAML happens to parse."""
+    return text.endswith("}") and text.count("{") == 1

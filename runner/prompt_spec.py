@@ -16,6 +16,7 @@ from pydantic import Field
 from runner.engine_config import Strict
 from runner.errors import SpecError
 
+RESERVED_TEMPLATE_VARIABLES = {"messages", "tools", "documents", "add_generation_prompt"}
 NEW_FIELD_DEFAULTS = {"system_template": None, "examples": [], "chat_template": None, "chat_template_kwargs": {}}
 
 
@@ -89,6 +90,9 @@ def load_prompts(p: PromptSpec, base: Path, shown: Path, system_prompt_column: O
                             f"list the column in input.extra_columns")
     if p.examples and p.examples[-1].role != "assistant":
         raise SpecError(f"{shown}: prompts.examples: end with an assistant turn (the document is the next user turn)")
+    reserved = sorted(set(p.chat_template_kwargs) & RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise SpecError(f"{shown}: prompts.chat_template_kwargs.{reserved[0]}: set by the runner, not by the job")
     template = _read(base, p.chat_template, shown, "prompts.chat_template") if p.chat_template else None
     return LoadedPrompts(system_prompt=system, chat_template=template)
 

@@ -95,11 +95,20 @@ class PromptBuilder:
             found = ((rendered.rfind(t, 0, cut), t) for t in self._special_strings)
             split = max((at + len(t) for at, t in found if at >= 0), default=0)
             before, after = rendered[:cut], rendered[cut + len(_SENTINEL):]
-            verbatim = rendered.count(_SENTINEL) == 1 and self.render(system, _PROBE) == before + _PROBE + after
+            head_ids = self.encode(rendered[:split]) if split else []
+            # Exact only if the template places the text verbatim and encoding in two parts gives
+            # what one encode does (a Metaspace tokenizer adds a word mark at a part's start),
+            # whatever the text starts with.
+            verbatim = rendered.count(_SENTINEL) == 1
+            for probe in (_PROBE, "w" + _PROBE, "\n" + _PROBE) if verbatim else ():
+                whole = self.render(system, probe)
+                if whole != before + probe + after or \
+                        head_ids + self.encode(rendered[split:cut] + probe + after) != self.encode(whole):
+                    verbatim = False
+                    break
             if len(self._heads) > 1024:  # bounded: a job with countless system prompts keeps working
                 self._heads.clear()
-            head = self._heads[system] = (self.encode(rendered[:split]) if split else [],
-                                          rendered[split:cut] if verbatim else None, after)
+            head = self._heads[system] = (head_ids, rendered[split:cut] if verbatim else None, after)
         return head
 
     def head_tokens(self, system: Optional[str]) -> int:

@@ -121,15 +121,31 @@ class LocalReader(Reader):
 
     def _dataset_batches(self, file: str, fmt: str, partition: dict, columns: list[str]):
         """JSON Lines or CSV through pyarrow.dataset, a batch at a time."""
+        import pyarrow as pa
         import pyarrow.dataset as ds
 
         try:
-            data = ds.dataset(file, format="json" if fmt == "jsonl" else "csv")
+            data = ds.dataset(file, format="json" if fmt == "jsonl" else self._csv_format())
+            self._check_columns(file, set(data.schema.names) | set(partition))
+            present = [c for c in columns if c not in partition]
+            yield from data.to_batches(columns=present, batch_size=self.spec.batch_rows)
         except PermissionError:
             raise InputError(f"{file}: cannot read input (permission denied)") from None
-        self._check_columns(file, set(data.schema.names) | set(partition))
-        present = [c for c in columns if c not in partition]
-        yield from data.to_batches(columns=present, batch_size=self.spec.batch_rows)
+        except pa.ArrowInvalid:
+            if fmt != "jsonl" or (where := _bad_json_line(file)) is None:
+                raise
+            raise InputError(f"{file}: {where}") from None
+
+    def _csv_format(self):
+        """CSV as documents need it: quoted text may span lines, the job's text columns stay text
+        (an id 007 is not the number 7), and an empty cell of them is null (so on_bad_row sees it)."""
+        import pyarrow as pa
+        import pyarrow.csv as pcsv
+        import pyarrow.dataset as ds
+
+        text = {c: pa.string() for c, _ in self.spec.columns()}
+        return ds.CsvFileFormat(parse_options=pcsv.ParseOptions(newlines_in_values=True),
+                                convert_options=pcsv.ConvertOptions(column_types=text, strings_can_be_null=True))
 
     def _fragments(self) -> Iterator[tuple[str, dict]]:
         """(file, hive partition values) for each file, in path order: folders named `key=value`
@@ -148,7 +164,10 @@ class LocalReader(Reader):
         # System prompts repeat on every row: read as a dictionary, decoded once a batch, not per row.
         dictionary = [self.spec.system_prompt_column] if self.spec.system_prompt_column in columns else None
         try:
-            return pq.ParquetFile(file, read_dictionary=dictionary)
+            try:
+                return pq.ParquetFile(file, read_dictionary=dictionary)
+            except KeyError:  # no such column: opened plainly, _check_columns names it
+                return pq.ParquetFile(file)
         except PermissionError:
             raise InputError(f"{file}: cannot read input (permission denied)") from None
         except OSError as exc:
@@ -160,6 +179,23 @@ class LocalReader(Reader):
         for col, field in self.spec.columns():
             if col not in names:
                 raise InputError(f"{file}: column {col!r} ({field}) not found; columns are {sorted(names)}")
+
+
+def _bad_json_line(file: str) -> Optional[str]:
+    """Where a JSON Lines file stops being JSON, by line number (pyarrow counts rows per block)."""
+    import json
+
+    with open(file, "rb") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as exc:
+                return f"line {number}: not valid JSON ({getattr(exc, 'msg', exc)})"
+            if not isinstance(value, dict):
+                return f"line {number}: not a JSON object"
+    return None
 
 
 def _with_partition(batch, partition: dict, columns: list[str]):

@@ -9,7 +9,7 @@ import time
 from typing import Iterable, Iterator
 
 from runner.engines import Completion, Request
-from runner.errors import ModelError
+from runner.errors import ModelError, TemplateError
 from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound
 from runner.prompting import Document, PromptBuilder
 from runner.spec import Job
@@ -58,7 +58,7 @@ class RequestBuilder:
                                                        f"{exc.__class__.__name__}: {exc}"))
         try:
             all_ids = b.prompt_ids_batch(group.system_prompt, [t for _, t in texts])
-        except ModelError as exc:  # the chat template refused this system prompt (raise_exception)
+        except (ModelError, TemplateError) as exc:  # the chat template refused this system prompt
             return [Completion(d.row_id, error=str(exc)) if isinstance(o, Document) else o for d, o in zip(docs, out)]
         for (i, _), ids in zip(texts, all_ids):
             out[i] = self._request(group, docs[i], ids)

@@ -75,6 +75,7 @@ class RunSummary:
     rows_redone: int = 0  # stored rows run again: made by another version of the job, or --retry-failed
     redo_reasons: list[str] = field(default_factory=list)  # what changed, e.g. "sampling.max_tokens"
     job_counts: dict[str, int] = field(default_factory=dict)  # all the job's stored rows by status
+    rows_rejected: int = 0  # input rows left out (on_bad_row: store): null or repeated ids
 
     @property
     def failed_fraction(self) -> float:
@@ -151,7 +152,7 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
         for s, h in old.items():
             signal.signal(s, h)
         work.is_done.close()
-    summary.rows_input, summary.rows_skipped = scan.rows, work.skipped
+    summary.rows_input, summary.rows_skipped, summary.rows_rejected = scan.rows, work.skipped, len(scan.skip)
     summary.rows_redone, summary.redo_reasons = work.redone, work.reasons
     summary.job_counts = store.job_status_counts(job.name)
     return summary
@@ -248,7 +249,7 @@ def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_e
         store = Store(job.database_path)
         collector = ResultCollector(job, store, None, RequestBuilder(job, builder), None, None, keep_results=False,
                                     clock=clock)
-        source = collector.requests(_build_ahead(job, collector.rb, None))
+        source = collector.requests(_build_ahead(job, collector.rb, None, scan.skip))
         engines = EngineSequence(engine_factory, clock=clock)
         ctx = CalibrationContext(store, calibration_key(job, scan.system_prompt_keys), scan.rows, None, force=True)
         try:

@@ -29,6 +29,15 @@ class SamplingSpec(Strict):
     n: int = Field(default=1, description="outputs per row: one extraction is stored per row")
     extra_args: dict[str, Any] = Field(default={}, description="other vllm.SamplingParams fields, verbatim")
 
+    @field_validator("extra_args")
+    @classmethod
+    def _not_ours(cls, v: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(v) & (set(cls.model_fields) | _SET_BY_RUNNER))
+        if taken:
+            where = "set by the runner" if taken[0] in _SET_BY_RUNNER else f"use sampling.{taken[0]}"
+            raise ValueError(f"{taken[0]}: {where}, not in extra_args")
+        return v
+
     @field_validator("n")
     @classmethod
     def _one(cls, v: int) -> int:
@@ -48,5 +57,6 @@ class SamplingSpec(Strict):
         return dump | self.vllm_kwargs()
 
 
+_SET_BY_RUNNER = {"structured_outputs", "guided_decoding", "output_kind", "detokenize", "logprobs"}
 _OPTIONAL_SAMPLING = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens",
                       "stop")

@@ -128,7 +128,8 @@ class Job(BaseModel):
             try:
                 return template.format_map(fields)
             except (ValueError, TypeError) as exc:  # a format spec that a row's value does not take
-                raise InputError(f"{self.path}: prompts.system_template: {exc} (row fields {sorted(fields)})") from None
+                raise InputError(f"prompt could not be built from prompts.system_template: {exc.__class__.__name__}: "
+                                 f"{exc}") from None
 
         return render
 

@@ -204,8 +204,10 @@ class Store(SpeculationRecords):
             return conn.execute(self.results.delete().where(self.results.c.job_name == job_name)).rowcount
 
     def save_rejected(self, run_id: int, job_name: str, rows: list[tuple[int, Optional[str], str]]) -> None:
-        """Input rows a run left out (input.on_bad_row: store): (row number, id, reason)."""
+        """Input rows a run left out (input.on_bad_row: store): (row number, id, reason). The
+        job's latest list replaces the one before: the input is read whole by every run."""
         with self._tx() as conn:
+            conn.exec_driver_sql("DELETE FROM rejected_rows WHERE job_name = ?", (job_name,))
             conn.exec_driver_sql(
                 "INSERT INTO rejected_rows (run_id, job_name, input_row_number, row_id, reason) VALUES (?, ?, ?, ?, ?)",
                 [(run_id, job_name, n, rid, why) for n, rid, why in rows])

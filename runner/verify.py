@@ -99,7 +99,7 @@ def verify_job(job: Job, *, rows: Optional[int] = None, engine_factory: Callable
             if not settings:
                 return []
             rb = RequestBuilder(greedy, builder)
-            docs = LocalReader(job.input_path, job.spec.input).documents(job.system_source)
+            docs = LocalReader(job.input_path, job.spec.input).documents(job.system_source, scan.skip)
             planned = rb.stream(plan_stream(docs, job.spec.plan_window_rows))
             built = list(itertools.islice((r for _, chunk in planned for r in chunk), rows or job.engine.verify.rows))
             plain = [None, None] if baseline else [None]

@@ -141,3 +141,34 @@ def test_prompt_ids_still_equal_encoding_the_rendered_prompt(tiny_model_dir, tmp
     b = PromptBuilder(folder, "{title}: {text}", examples=EXAMPLES)
     doc = Document("r", "some text <here>", SYSTEM, {"title": "T"})
     assert b.prompt_ids(SYSTEM, b.user_text(doc)) == b.encode(b.render(SYSTEM, b.user_text(doc)))
+
+
+def test_prompt_ids_match_transformers_on_a_metaspace_tokenizer(tmp_path):
+    """SentencePiece-style tokenizers (Metaspace, prepend_scheme "first", as transformers converts
+    Llama and Mistral ones) mark a word's start at the start of every encoded part: ids built in
+    two parts must not differ from one encode of the whole prompt."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    alphabet = ["▁", *"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?:\"'<>&{}\\\né\t"]
+    tok.train_from_iterator(["You are careful. Summarize the review.", "hello world the blender broke"] * 50,
+                            trainers.BpeTrainer(vocab_size=200, initial_alphabet=alphabet))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("[INST]", "[/INST]", "<s>", "</s>")])
+    folder = tmp_path / "metaspace"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
+                "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% else %}{{ m['content'] }}\n\n"
+                "{% endif %}{% endfor %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template}))
+    hf = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    b = PromptBuilder(folder)
+    for user in ("hello world", " leading space", "\nnewline first", "plain"):
+        expected = hf.apply_chat_template([{"role": "system", "content": "You are careful."},
+                                           {"role": "user", "content": user}], tokenize=True, add_generation_prompt=True)
+        expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+        assert b.prompt_ids("You are careful.", user) == list(expected), user
+        assert b.prompt_ids_batch("You are careful.", [user])[0] == list(expected)

@@ -1,0 +1,111 @@
+"""Real-world input and job mistakes through the command line: CSV as spreadsheets write it, OpenAI
+batch files as clients write them, a system template a row cannot fill, a broken chat template,
+`--set` values with colons, and results written where they cannot be."""
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from click.testing import CliRunner
+
+from runner.cli import cli
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_csv_keeps_ids_as_written_text_across_lines_and_empty_cells_as_missing(make_job, tmp_path):
+    (tmp_path / "docs.csv").write_text('id,text,system_prompt\n007,"first line\nsecond line",S\n'
+                                       '8,"plain, with a comma",S\n9,,S\n')
+    job = make_job()
+    refused = invoke("run", "--engine", "fake", "--set", "input.path=docs.csv", job)
+    assert refused.exit_code == 3 and "is null in 1 rows, first at id '9'" in refused.output, refused.output
+    out = invoke("run", "--engine", "fake", "--quiet", "--set", "input.path=docs.csv", "--set", "input.on_bad_row=store", job)
+    assert out.exit_code == 0, out.output
+    rows = dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status FROM results"))
+    assert rows == {"007": "ok", "8": "ok", "9": "failed"}
+
+
+def test_openai_batch_files_as_clients_write_them(make_job, tmp_path):
+    lines = [{"custom_id": 5, "body": {"messages": [{"role": "user", "content": ["part one, ", {"type": "text", "text": "two"}]}]}},
+             {"custom_id": "b", "body": {"messages": [{"role": "system", "content": "S"}, {"role": "assistant", "content": None},
+                                                      {"role": "user", "content": "hello"}]}}]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = ["--set", "input.path=batch.jsonl", "--set", "input.format=openai-batch", "--set", "input.id_column=custom_id",
+            "--set", "input.text_column=user", "--set", "input.system_prompt_column=system"]
+    job = make_job()
+    out = invoke("run", "--engine", "fake", "--quiet", *args, job)
+    assert out.exit_code == 0, out.output
+    assert dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status FROM results")) == {
+        "5": "ok", "b": "ok"}
+    (tmp_path / "batch.jsonl").write_bytes(b'{"custom_id": "x", "body": {"messages": []}}\n{"custom_id": "\xff"}\n')
+    bad = invoke("validate", *args, job)
+    assert bad.exit_code == 3 and "batch.jsonl: line 2: not UTF-8 text" in bad.output and bad.output.count("\n") == 1
+
+
+def test_a_row_the_system_template_cannot_fill_fails_alone(make_job, tmp_path):
+    docs = tmp_path / "data" / "n.parquet"
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "text": ["x", "y", "z"], "n": [1.5, None, 2.0]}), docs)
+    job = make_job(docs=docs, job={"input": {"system_prompt_column": None, "extra_columns": ["n"]},
+                                   "prompts": {"system_template": "Record {n:.1f}"}})
+    out = invoke("run", "--engine", "fake", job)
+    assert out.exit_code == 0, out.output
+    rows = dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status || ' ' || coalesce(error, '') FROM results"))
+    assert rows["a"] == "ok " and rows["c"] == "ok " and rows["b"].startswith("failed prompt could not be built from prompts.system_template")
+
+
+def test_validate_renders_a_prompt_so_a_broken_chat_template_is_found_before_the_night(make_job, tmp_path):
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }{% endfor %}")
+    result = invoke("validate", "--set", "prompts.chat_template=broken.jinja", make_job())
+    assert result.exit_code == 2 and result.output.startswith("Error: chat template: TemplateSyntaxError")
+    result = invoke("validate", "--set", "prompts.chat_template_kwargs.add_generation_prompt=false", make_job())
+    assert result.exit_code == 2 and "prompts.chat_template_kwargs.add_generation_prompt: set by the runner" in result.output
+
+
+def test_mistakes_in_settings_and_columns_are_named(make_job, tmp_path):
+    job = make_job()
+    out = invoke("validate", "--set", "input.system_prompt_column=sys", job)
+    assert out.exit_code == 3 and "column 'sys' (input.system_prompt_column) not found" in out.output
+    out = invoke("validate", "--set", "sampling.extra_args.n=3", job)
+    assert out.exit_code == 2 and "sampling.extra_args: Value error, n: use sampling.n" in out.output
+    out = invoke("validate", "--set", "sampling.extra_args.output_kind=1", job)
+    assert out.exit_code == 2 and "output_kind: set by the runner" in out.output
+    assert invoke("run", "--engine", "fake", "--quiet", "--set", "prompts.user_template=Title: {text}", job).exit_code == 0
+    config = json.loads(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT config_json FROM runs").fetchone()[0])
+    assert config["job"]["prompts"]["user_template"] == "Title: {text}"  # text with a colon stays text
+
+
+def test_results_written_where_they_cannot_be_are_one_error_line(make_job, tmp_path):
+    job = make_job()
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    out = invoke("report", "1", "--job", job, "-o", tmp_path / "new" / "folder" / "r.html")
+    assert out.exit_code == 0 and (tmp_path / "new" / "folder" / "r.html").is_file()
+    (tmp_path / "file").write_text("")
+    out = invoke("export", "--job", job, "--format", "jsonl", "-o", tmp_path / "file" / "x.jsonl")
+    assert out.exit_code == 6 and out.output.startswith("Error: ") and out.output.count("\n") == 1, out.output
+
+
+def test_rejected_rows_are_counted_kept_once_and_never_reach_verify(make_job, tmp_path):
+    docs = tmp_path / "data" / "d.parquet"
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": ["a", None, "a", "b"], "text": ["x", "y", "z", "w"], "system_prompt": ["S"] * 4}), docs)
+    job = make_job(docs=docs, job={"input": {"on_bad_row": "store"}})
+    for _ in range(2):
+        out = invoke("run", "--engine", "fake", job)
+        assert out.exit_code == 0 and "2 left out (see rejected_rows)" in out.output, out.output
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT count(*) FROM rejected_rows").fetchone()[0] == 2  # the latest run's list, not one per run
+    out = invoke("verify", "--engine", "fake", job)
+    assert out.exit_code == 0 and "2 rows unchanged" in out.output, out.output
+
+
+def test_a_broken_json_lines_file_is_named_by_its_line(make_job, tmp_path):
+    lines = [json.dumps({"id": f"r{i}", "text": "t", "system_prompt": "s"}) for i in range(3000)]
+    lines[2500] = '{"id": "bad", '
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    out = invoke("validate", "--set", "input.path=docs.jsonl", make_job())
+    assert out.exit_code == 3 and "docs.jsonl: line 2501: not valid JSON" in out.output, out.output
