@@ -227,5 +227,6 @@ def test_real_run_with_examples_a_system_template_and_open_sampling(make_job, tm
     assert result.returncode == 0, result.stderr[-3000:]
     con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
     assert con.execute("SELECT count(*) FROM results WHERE status = 'ok'").fetchone()[0] >= 4
-    components = json.loads(con.execute("SELECT components_json FROM fingerprints").fetchone()[0])
+    components = json.loads(con.execute("SELECT components_json FROM fingerprints WHERE fingerprint = "
+                                        "(SELECT fingerprint FROM results LIMIT 1)").fetchone()[0])
     assert components["sampling"]["repetition_penalty"] == 1.2 and components["prompts"]["examples"]
