@@ -94,8 +94,10 @@ def _run_json(store, r: dict) -> dict:
 
 @cli.command()
 @click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="A job setting as `runner run --set` took it: the version of the job to compare with.")
 @reports_errors
-def status(job):
+def status(job, overrides):
     """Show JOB's stored rows by the version of the job that made them (their fingerprint).
 
     The current version's rows are kept by the next run; rows made by another version (a changed
@@ -108,8 +110,8 @@ def status(job):
     from runner.fingerprint import changed_parts, result_fingerprint
     from runner.spec import load_job
 
-    spec = load_job(job)
-    store, _ = _open_store(job, None)
+    spec = load_job(job, overrides)
+    store, _ = _open_store(job, None, overrides)
     current, components = result_fingerprint(spec)
     known = store.fingerprint_components(spec.name)
     *groups, history = store.rows_by_fingerprint(spec.name)

@@ -59,6 +59,7 @@ def engine_output_to(log: Optional[Path], header: str = "") -> Iterator[Console]
     out, out_fd = _terminal(sys.stdout, 1)
     err, err_fd = _terminal(sys.stderr, 2)
     saved = (os.dup(1), os.dup(2))
+    made = [] if log is None else [p for p in (log.parent, log) if not p.exists()]  # ours to remove on failure
     try:
         if log is not None:
             log.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +82,9 @@ def engine_output_to(log: Optional[Path], header: str = "") -> Iterator[Console]
     previous, _current = _current, Console(out, err)
     try:
         yield _current
+    except BaseException:
+        _remove_if_untouched(made, len(header) + 64 if header else 0)
+        raise
     finally:
         _current = previous
         for stream in (sys.stdout, sys.stderr, out, err):
@@ -93,3 +97,16 @@ def engine_output_to(log: Optional[Path], header: str = "") -> Iterator[Console]
         for fd in (*saved, out_fd, err_fd):
             if fd is not None:
                 os.close(fd)
+
+
+def _remove_if_untouched(made: list[Path], header_bytes: int) -> None:
+    """A command that failed before anything wrote to the log it created (bad input, a bad job)
+    leaves no log file, and no folder made for it."""
+    for path in reversed(made):
+        try:
+            if path.is_file() and path.stat().st_size <= header_bytes:
+                path.unlink()
+            elif path.is_dir():
+                path.rmdir()  # only when empty
+        except OSError:
+            pass

@@ -109,3 +109,10 @@ def test_a_broken_json_lines_file_is_named_by_its_line(make_job, tmp_path):
     (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
     out = invoke("validate", "--set", "input.path=docs.jsonl", make_job())
     assert out.exit_code == 3 and "docs.jsonl: line 2501: not valid JSON" in out.output, out.output
+
+
+def test_bad_input_leaves_no_log_and_no_folder_behind(make_job, tmp_path):
+    job = make_job()
+    out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--set", "input.text_column=nope", str(job)])
+    assert out.exit_code == 3 and "column 'nope'" in out.output
+    assert not (tmp_path / "out").exists()
