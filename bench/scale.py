@@ -2,7 +2,7 @@
 
 For each size, makes an N-row Parquet input (8 system prompts of ~400 tokens, bodies of ~60 words),
 then runs `runner plan` and `runner run --engine fake --quiet` each in a process of its own, and
-records peak RSS (that process's maximum resident set, from wait4), rows per second of the whole
+records peak RSS (that process's maximum resident set, through a launcher: see timed), rows per second of the whole
 process, SQLite rows written per second of store time, the database size, and where the run's time
 went (read, tokenize and build, check, store: the run loop's own timers). Prints a table; writes JSON.
 
