@@ -22,13 +22,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(job: Path, penalty: str, work: Path) -> dict:
+def run(job: Path, penalty: str, work: Path, as_retry: bool = False) -> dict:
     db = work / f"penalty-{penalty}.sqlite"
     for f in work.glob(f"penalty-{penalty}.sqlite*"):
         f.unlink()
     sets = ["--set", f"output.database={db}", "--set", "output.max_failed_fraction=1"]
     if penalty != "none":
-        sets += ["--set", f"sampling.repetition_penalty={penalty}"]
+        field = "retry_repetition_penalty" if as_retry else "repetition_penalty"
+        sets += ["--set", f"sampling.{field}={penalty}"]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "runner.cli", "run", "--quiet", *sets, str(job)], cwd=ROOT,
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -37,7 +38,9 @@ def run(job: Path, penalty: str, work: Path) -> dict:
     con = sqlite3.connect(db)
     statuses = dict(con.execute("SELECT status, count(*) FROM results GROUP BY status"))
     stats = con.execute("SELECT documents_per_s, completion_tokens FROM run_stats").fetchone()
-    return {"repetition_penalty": penalty, "statuses": statuses, "process_s": round(time.perf_counter() - t0, 1),
+    retried = dict(con.execute("SELECT status, count(*) FROM results WHERE attempts > 1 GROUP BY status"))
+    return {"repetition_penalty": penalty, "as_retry": as_retry, "statuses": statuses, "retried_rows_by_status": retried,
+            "extractions": dict(con.execute("SELECT row_id, status || ' ' || coalesce(extraction_json, '') FROM results")), "process_s": round(time.perf_counter() - t0, 1),
             "documents_per_s": stats[0], "completion_tokens": stats[1]}
 
 
@@ -46,15 +49,22 @@ def main() -> None:
     ap.add_argument("--job", default=str(ROOT / "jobs" / "summarize.yaml"))
     ap.add_argument("--penalties", default="none,1.05,1.1,1.2")
     ap.add_argument("--machine", default="this CPU machine")
+    ap.add_argument("--as-retry", action="store_true",
+                    help="set sampling.retry_repetition_penalty (a retry of rows cut off) instead of a penalty for every row")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="runner-penalty-"))
     runs = []
     for p in a.penalties.split(","):
-        r = run(Path(a.job).resolve(), p, work)
+        r = run(Path(a.job).resolve(), p, work, a.as_retry)
         runs.append(r)
         print(f"penalty {p:>5}: {r['statuses']}  {r['documents_per_s']:.2f} doc/s  {r['completion_tokens']} output tokens",
               file=sys.stderr, flush=True)
+    base = runs[0]["extractions"]
+    for r in runs:  # of the rows ok in this run and the first, the share with the same extraction
+        mine = r.pop("extractions")
+        both = [k for k, v in mine.items() if v.startswith("ok ") and base.get(k, "").startswith("ok ")]
+        r["same_extraction_as_first_run"] = round(sum(mine[k] == base[k] for k in both) / max(len(both), 1), 4)
     doc = {"date": date.today().isoformat(), "machine": a.machine, "commit": os.environ.get("BENCH_COMMIT"),
            "job": a.job, "runs": runs}
     print(json.dumps(doc, indent=1))

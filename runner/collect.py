@@ -78,9 +78,9 @@ class ResultCollector:
         t0 = time.perf_counter()
         checked = self.checker.check(c, f.request.max_tokens)
         self.timers["check_s"] += time.perf_counter() - t0
-        budget = retry_tokens(checked, f.attempt, f.request.max_tokens, self.job.spec.sampling.retry_max_tokens)
+        budget = retry_tokens(checked, f.attempt, f.request.max_tokens, self.job.spec.sampling)
         if budget is not None:
-            again = replace(f.request, max_tokens=budget)
+            again = replace(f.request, max_tokens=budget, attempt=f.attempt + 1)
             self.in_flight[c.row_id] = InFlight(again, f.attempt + 1, checked.status)
             self.retries.append(again)
             return

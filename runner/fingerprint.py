@@ -60,7 +60,8 @@ def prompt_set_fingerprint(user_template: str, system_prompt_keys: Iterable[str]
 def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
     """What decides the best speculative setting for a job (see runner/engines/calibrate.py)."""
     engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process"})
-    sampling = {k: v for k, v in job.spec.sampling.fingerprint_dump().items() if k != "retry_max_tokens"}
+    sampling = {k: v for k, v in job.spec.sampling.fingerprint_dump().items()
+                if k not in ("retry_max_tokens", "retry_repetition_penalty")}
     return {
         "model": str(job.model_path),
         "model_fingerprint": model_fingerprint(job.model_path),

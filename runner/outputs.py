@@ -53,9 +53,11 @@ class OutputChecker:
         return Checked(Status.OK, json.dumps(value, ensure_ascii=False), None)
 
 
-def retry_tokens(checked: Checked, attempt: int, max_tokens: int, retry_max_tokens: Optional[int]) -> Optional[int]:
-    """The retry policy: an output cut off or failing the schema gets one more attempt, with
-    sampling.retry_max_tokens (at least the first budget); None: store it as it is."""
-    if attempt > 1 or not retry_max_tokens or checked.status in (Status.OK, Status.FAILED):
+def retry_tokens(checked: Checked, attempt: int, max_tokens: int, sampling) -> Optional[int]:
+    """The retry policy: an output cut off or failing the schema gets one more attempt when
+    sampling.retry_max_tokens (a budget, at least the first one) or sampling.retry_repetition_penalty
+    (a penalty for outputs that loop, on the retry only) is set; None: store it as it is."""
+    retry_max, penalty = sampling.retry_max_tokens, sampling.retry_repetition_penalty
+    if attempt > 1 or not (retry_max or penalty) or checked.status in (Status.OK, Status.FAILED):
         return None
-    return max(retry_max_tokens, max_tokens)
+    return max(retry_max or max_tokens, max_tokens)

@@ -19,6 +19,8 @@ class SamplingSpec(Strict):
     retry_max_tokens: Optional[int] = Field(
         default=None, ge=1, description="retry once, with this budget, outputs cut off or failing the schema"
     )
+    retry_repetition_penalty: Optional[float] = Field(default=None, gt=0, description=(
+        "retry once, with this repetition penalty, outputs cut off or failing the schema (a loop)"))
     top_k: Optional[int] = Field(default=None, ge=-1, description="-1 or 0: all tokens")
     min_p: Optional[float] = Field(default=None, ge=0, le=1)
     repetition_penalty: Optional[float] = Field(default=None, gt=0, description="1: none; above 1 discourages repeats")
@@ -53,8 +55,9 @@ class SamplingSpec(Strict):
     def fingerprint_dump(self) -> dict:
         """The settings that make outputs; the optional ones only when set (older results keep
         their fingerprint)."""
-        dump = self.model_dump(mode="json", exclude={"n", "extra_args", *_OPTIONAL_SAMPLING})
-        return dump | self.vllm_kwargs()
+        dump = self.model_dump(mode="json", exclude={"n", "extra_args", "retry_repetition_penalty", *_OPTIONAL_SAMPLING})
+        retry = {"retry_repetition_penalty": self.retry_repetition_penalty} if self.retry_repetition_penalty else {}
+        return dump | retry | self.vllm_kwargs()
 
 
 _SET_BY_RUNNER = {"structured_outputs", "guided_decoding", "output_kind", "detokenize", "logprobs"}

@@ -111,3 +111,25 @@ def test_a_baseline_separates_the_engines_own_variation_from_the_drafts(make_job
     run_job(job, engine_factory=drifting_factory(started), notify=notes.append)
     assert started == [True] and not notes  # as often unchanged as the baseline: the drafts stay
     assert out.exit_code == 0 and "without drafts, twice: 100.0% of rows unchanged" in out.output
+
+
+def test_a_looping_output_is_retried_once_with_the_retry_penalty(make_job):
+    """sampling.retry_repetition_penalty: a row cut off at max_tokens runs once more, as a retry
+    (the engine gives it the penalty); rows that came out ok are not touched."""
+    seen = []
+
+    def factory(j):
+        def respond(r):
+            seen.append((r.row_id, r.attempt))
+            return '{"summary": "loop loop loop' if r.row_id == "r002" and r.attempt == 1 else \
+                json.dumps({"summary": "fine", "sentiment": "neutral"})
+
+        return FakeEngine(SCHEMA, respond=respond,
+                          finish_reason=lambda r: "length" if r.row_id == "r002" and r.attempt == 1 else "stop")
+
+    job = load_job(make_job(rows=6, engine={"speculative": None}, job={"sampling": {"retry_repetition_penalty": 1.2}}))
+    run_job(job, engine_factory=factory)
+    assert sorted(seen) == sorted([(f"r{i:03d}", 1) for i in range(6)] + [("r002", 2)])
+    row = sqlite3.connect(job.database_path).execute(
+        "SELECT status, attempts, first_status FROM results WHERE row_id = 'r002'").fetchone()
+    assert row == ("ok", 2, "truncated")

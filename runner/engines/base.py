@@ -21,6 +21,7 @@ class Request:
     prompt_token_ids: list[int]
     max_tokens: int
     cacheable_tokens: int = 0  # leading tokens a warm prefix cache holds for it (see plan.PrefixCacheBound)
+    attempt: int = 1  # 2 for a retry (sampling.retry_max_tokens, retry_repetition_penalty)
 
 
 @dataclass

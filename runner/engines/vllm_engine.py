@@ -37,13 +37,17 @@ _COUNTERS = {
 }
 
 
-def sampling_params(sampling: SamplingSpec, max_tokens: int, **fixed):
-    """vllm.SamplingParams of the job's sampling section; vLLM's refusal as a SpecError."""
+def sampling_params(sampling: SamplingSpec, max_tokens: int, retry: bool = False, **fixed):
+    """vllm.SamplingParams of the job's sampling section (a retry's: with its repetition penalty);
+    vLLM's refusal as a SpecError."""
     from vllm import SamplingParams
 
+    kwargs = sampling.vllm_kwargs()
+    if retry and sampling.retry_repetition_penalty is not None:
+        kwargs["repetition_penalty"] = sampling.retry_repetition_penalty
     try:
         return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
-                              seed=sampling.seed, **sampling.vllm_kwargs(), **fixed)
+                              seed=sampling.seed, **kwargs, **fixed)
     except (TypeError, ValueError) as exc:
         raise SpecError(f"sampling: vLLM refuses these settings: {exc}") from None
 
@@ -79,7 +83,7 @@ class VllmEngine(Engine):
                                project=cfg.kv_projection and not isinstance(cfg.speculative, SpeculativeSpec))
         max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
         self.feed = Feed(self.budget, max_in_flight, max(32, cfg.max_num_seqs // 4), cfg.warm_prefix, time.perf_counter)
-        self._params: dict[tuple[int, bool], Any] = {}
+        self._params: dict[tuple[int, bool, bool], Any] = {}
         self._ids = itertools.count()
         self._internal: dict[str, str] = {}  # some versions report an internal request id in outputs
         self._deltas: dict[str, tuple[list[str], list[int]]] = {}  # leader id -> text pieces and token ids so far
@@ -93,18 +97,18 @@ class VllmEngine(Engine):
                                settings={k: v for k, v in kw.items() if k != "model"}
                                | {"max_in_flight": max_in_flight, "warm_prefix": cfg.warm_prefix})
 
-    def _sampling_params(self, max_tokens: int, leader: bool = False):
+    def _sampling_params(self, max_tokens: int, leader: bool = False, retry: bool = False):
         """Shared params per budget. Only final outputs come back (as in LLM.generate): building
         cumulative outputs for every running request at every step costs the frontend dearly.
         A group's leader streams deltas instead, so that its first token can release its group."""
-        sp = self._params.get((max_tokens, leader))
+        sp = self._params.get((max_tokens, leader, retry))
         if sp is None:
             from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
             so = StructuredOutputsParams(
                 json=self.schema, disable_any_whitespace=self.cfg.structured_output_backend != "auto")
-            sp = self._params[(max_tokens, leader)] = sampling_params(
-                self.sampling, max_tokens, structured_outputs=so,
+            sp = self._params[(max_tokens, leader, retry)] = sampling_params(
+                self.sampling, max_tokens, retry, structured_outputs=so,
                 output_kind=RequestOutputKind.DELTA if leader else RequestOutputKind.FINAL_ONLY)
         return sp
 
@@ -135,7 +139,8 @@ class VllmEngine(Engine):
             rid = f"{a.request.row_id}#{next(self._ids)}"
             try:
                 got = self._core.add_request(rid, {"prompt_token_ids": a.request.prompt_token_ids},
-                                             self._sampling_params(a.request.max_tokens, a.leader))
+                                             self._sampling_params(a.request.max_tokens, a.leader,
+                                                                   a.request.attempt > 1))
             except RunnerError:
                 raise
             except Exception as exc:
