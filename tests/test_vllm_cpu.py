@@ -230,3 +230,8 @@ def test_real_run_with_examples_a_system_template_and_open_sampling(make_job, tm
     components = json.loads(con.execute("SELECT components_json FROM fingerprints WHERE fingerprint = "
                                         "(SELECT fingerprint FROM results LIMIT 1)").fetchone()[0])
     assert components["sampling"]["repetition_penalty"] == 1.2 and components["prompts"]["examples"]
+    # Every output cut off at 4 tokens: each row is retried once, with the retry's penalty.
+    result = run_cli("run", "--quiet", "--restart", "--set", "sampling.max_tokens=4",
+                     "--set", "sampling.retry_repetition_penalty=1.3", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert con.execute("SELECT DISTINCT attempts, first_status FROM results").fetchall() == [(2, "truncated")]
