@@ -9,6 +9,7 @@ Each is rendered by the runner and by transformers itself on the same tokenizer 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -50,11 +51,19 @@ def real_templates() -> dict[str, str]:
         for node in ast.parse(llama4.read_text()).body:
             if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "chat_template":
                 out["llama4"] = ast.literal_eval(node.value)
+    # mistral_common imports cv2, which edits LD_LIBRARY_PATH for every process started after it
+    # (the suite's own runs, whose memory it changed): put it back.
+    saved = os.environ.get("LD_LIBRARY_PATH")
     try:
         from mistral_common.integrations.chat_templates.chat_templates import generate_chat_template
         from mistral_common.tokens.tokenizers.base import TokenizerVersion
     except ImportError:
         return out
+    finally:
+        if saved is None:
+            os.environ.pop("LD_LIBRARY_PATH", None)
+        else:
+            os.environ["LD_LIBRARY_PATH"] = saved
     for v in ("v3", "v7", "v11"):
         out[f"mistral_{v}"] = generate_chat_template(
             spm=False, tokenizer_version=TokenizerVersion(v), image_support=False, audio_support=False,
