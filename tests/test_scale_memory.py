@@ -51,10 +51,10 @@ def peak_rss_mb(cmd) -> float:
 def test_peak_memory_does_not_grow_with_the_row_count(make_job, tmp_path):
     small, large = 8_000, 24_000  # the small one past the warm-up of bounded caches (5,000 is not)
     peaks = {}
+    (tmp_path / "in").mkdir()
+    docs = write_rows(tmp_path / "in" / "docs.parquet", large)  # one file; the small run reads its first rows
     for n in (small, large):
-        (tmp_path / f"in{n}").mkdir()
-        docs = write_rows(tmp_path / f"in{n}" / "docs.parquet", n)
-        job = make_job(docs=docs, job={"plan_window_rows": 512,
+        job = make_job(docs=docs, job={"plan_window_rows": 512, "input": {"limit": n},
                                        "output": {"database": f"out{n}/results.sqlite", "commit_every_rows": 256}})
         peaks[n] = peak_rss_mb(runner_cmd("run", "--engine", "fake", "--quiet", job))
     slope_kb_per_row = (peaks[large] - peaks[small]) * 1024 / (large - small)
