@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,6 +19,9 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.speculation import runner  # noqa: E402  (one `runner ...` subprocess helper for the benches)
 
 
 def run(job: Path, penalty: str, work: Path, as_retry: bool = False) -> dict:
@@ -31,17 +33,15 @@ def run(job: Path, penalty: str, work: Path, as_retry: bool = False) -> dict:
         field = "retry_repetition_penalty" if as_retry else "repetition_penalty"
         sets += ["--set", f"sampling.{field}={penalty}"]
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "runner.cli", "run", "--quiet", *sets, str(job)], cwd=ROOT,
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    if proc.returncode != 0:
-        raise SystemExit(f"penalty {penalty}: exit {proc.returncode}: {proc.stderr[-2000:]}")
+    runner("run", "--quiet", *sets, job)
+    process_s = round(time.perf_counter() - t0, 1)
     con = sqlite3.connect(db)
     statuses = dict(con.execute("SELECT status, count(*) FROM results GROUP BY status"))
     stats = con.execute("SELECT documents_per_s, completion_tokens FROM run_stats").fetchone()
     retried = dict(con.execute("SELECT status, count(*) FROM results WHERE attempts > 1 GROUP BY status"))
     return {"repetition_penalty": penalty, "as_retry": as_retry, "statuses": statuses, "retried_rows_by_status": retried,
-            "extractions": dict(con.execute("SELECT row_id, status || ' ' || coalesce(extraction_json, '') FROM results")), "process_s": round(time.perf_counter() - t0, 1),
-            "documents_per_s": stats[0], "completion_tokens": stats[1]}
+            "extractions": dict(con.execute("SELECT row_id, status || ' ' || coalesce(extraction_json, '') FROM results")),
+            "process_s": process_s, "documents_per_s": stats[0], "completion_tokens": stats[1]}
 
 
 def main() -> None:

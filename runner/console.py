@@ -72,8 +72,8 @@ def engine_output_to(log: Optional[Path], header: str = "") -> Iterator[Console]
                 os.close(fd)
         raise StoreError(f"{log}: cannot write the engine log beside the results database: "
                          f"{exc.strerror or exc}") from None
-    if header:
-        os.write(target, f"==== {datetime.now(timezone.utc).isoformat(timespec='seconds')} {header}\n".encode())
+    written = f"==== {datetime.now(timezone.utc).isoformat(timespec='seconds')} {header}\n".encode() if header else b""
+    os.write(target, written)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(target, 1)
@@ -83,7 +83,7 @@ def engine_output_to(log: Optional[Path], header: str = "") -> Iterator[Console]
     try:
         yield _current
     except BaseException:
-        _remove_if_untouched(made, len(header) + 64 if header else 0)
+        _remove_if_untouched(made, len(written))
         raise
     finally:
         _current = previous

@@ -35,13 +35,11 @@ def _value(text: str) -> Any:
     except yaml.YAMLError:
         return text
     stripped = text.strip()
-    if isinstance(value, dict) and not stripped.startswith("{") or isinstance(value, list) and not stripped.startswith("["):
-        return text
-    if isinstance(value, dict) and stripped.startswith("{") and not _is_flow_mapping(stripped):
+    if isinstance(value, list) and not stripped.startswith("[") or isinstance(value, dict) and not _is_flow_mapping(stripped):
         return text
     return value
 
 
 def _is_flow_mapping(text: str) -> bool:
     """`{a: 1}` is a mapping; `{title}: {text}` (a template) is text that YAML happens to parse."""
-    return text.endswith("}") and text.count("{") == 1
+    return text.startswith("{") and text.endswith("}") and text.count("{") == 1

@@ -49,8 +49,9 @@ class PromptBuilder:
         cfg_file = self.model_dir / "tokenizer_config.json"
         self._tok_cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         self._template_override = chat_template
+        self._special_tokens = templates.special_tokens(self.model_dir, self._tok_cfg)
         # transformers: the special tokens, then the caller's kwargs over them
-        self._variables = {**templates.special_tokens(self.model_dir, self._tok_cfg), **(chat_template_kwargs or {})}
+        self._variables = {**self._special_tokens, **(chat_template_kwargs or {})}
 
     @cached_property
     def _template(self):
@@ -63,7 +64,7 @@ class PromptBuilder:
     def messages(self, system: Optional[str], user: str) -> list[dict]:
         """The conversation a prompt renders: system prompt, few-shot turns, the document."""
         head = [{"role": "system", "content": system}] if system else []
-        return head + [dict(e) for e in self.examples] + [{"role": "user", "content": user}]
+        return head + self.examples + [{"role": "user", "content": user}]  # the sandbox cannot change them
 
     def render(self, system: Optional[str], user: str) -> str:
         """The prompt text, ending where the assistant's answer starts: what transformers'
@@ -144,7 +145,7 @@ class PromptBuilder:
 
     def eos_token_id(self) -> Optional[int]:
         """The token that ends an answer (the chat template's end of turn)."""
-        return self._tok.token_to_id(_special(self._tok_cfg.get("eos_token")) or "")
+        return self._tok.token_to_id(self._special_tokens.get("eos_token", ""))
 
     def encode(self, text: str) -> list[int]:
         # The template already wrote the special tokens; adding more would break prefix sharing.
@@ -173,14 +174,6 @@ class PromptBuilder:
 _SENTINEL = "\uE000user-text\uE001"  # private-use characters: never in a template
 # What escaping or trimming templates change: quotes, backslash, newline, markup, non-ASCII, edges.
 _PROBE = ' \t"q\' \\ <a&b> é\n{x} '
-
-
-
-def _special(tok) -> str:
-    if isinstance(tok, dict):  # older tokenizer_config files store AddedToken dicts
-        return tok.get("content", "")
-    return tok or ""
-
 
 
 def builder_for(job) -> PromptBuilder:
