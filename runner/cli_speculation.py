@@ -101,7 +101,7 @@ def verify(job, rows, wait, verbose, baseline, engine):
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder to write the draft model to.")
 @click.option("--layers", default=4, show_default=True, help="Layers of the job's model the draft keeps.")
-@click.option("--epochs", default=2, show_default=True)
+@click.option("--epochs", default=2, show_default=True, help="Passes over the training rows.")
 @click.option("--holdout", default=0.2, show_default=True, help="Share of rows held back to measure acceptance.")
 @click.option("--max-rows", type=int, default=None, help="Train on at most this many ok rows.")
 @click.option("--wait", is_flag=True, help="If the job is running, wait for it instead of exiting.")
