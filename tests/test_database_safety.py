@@ -9,12 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 import runner.migrations as migrations
+from runner.cli import cli
 from runner.errors import StoreError
 from runner.migrations import MIGRATIONS
 from runner.store import Store
-from tests.test_crash_safety import runner_cmd
+from tests.test_crash_safety import run_here, runner_cmd
 
 
 def test_a_migration_that_fails_midway_leaves_no_half_made_schema(tmp_path, monkeypatch):
@@ -35,14 +37,19 @@ def test_a_migration_that_fails_midway_leaves_no_half_made_schema(tmp_path, monk
     assert names == [m.__name__ for m in MIGRATIONS]
 
 
-def _open(path: str) -> None:
+def _open(path: str, barrier) -> None:
+    barrier.wait(timeout=60)
     Store(path).close()
 
 
 def test_processes_creating_one_database_at_once_all_succeed(tmp_path):
     db = str(tmp_path / "shared.sqlite")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_open, args=(db,)) for _ in range(6)]
+    # Forked from a server that has imported the store once (not from pytest, whose threads make
+    # fork unsafe): the children are ready at once and a barrier releases them together.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["runner.store", "tests.test_database_safety"])
+    barrier = ctx.Barrier(6)
+    procs = [ctx.Process(target=_open, args=(db, barrier)) for _ in range(6)]
     for p in procs:
         p.start()
     for p in procs:
@@ -83,17 +90,16 @@ def test_kill_9_while_the_database_is_being_created_then_rerun(make_job, tmp_pat
             time.sleep(0.0005)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        done = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env,
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
+        done = run_here("run", "--engine", "fake", "--quiet", job)
+        assert done.exit_code == 0, done.output
         con = sqlite3.connect(db)
         assert con.execute("SELECT count(*), count(DISTINCT row_id) FROM results").fetchone() == (12, 12)
         con.close()
 
 
-def test_a_damaged_database_is_refused_before_the_run(make_job, tmp_path, fake_env):
+def test_a_damaged_database_is_refused_before_the_run(make_job, tmp_path):
     job = make_job(rows=30)
-    assert subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env, timeout=120).returncode == 0
+    assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
     db = tmp_path / "out" / "results.sqlite"
     con = sqlite3.connect(db)
     con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -104,20 +110,18 @@ def test_a_damaged_database_is_refused_before_the_run(make_job, tmp_path, fake_e
     with open(db, "r+b") as f:  # the index's root page, zeroed: what a torn write leaves
         f.seek((root - 1) * page_size)
         f.write(b"\0" * page_size)
-    out = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 6
+    out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)])
+    assert out.exit_code == 6
     assert out.stderr.startswith("Error: ") and "damaged" in out.stderr and len(out.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "proc"])
-def test_an_unwritable_database_location_is_one_error_line(make_job, tmp_path, fake_env, where):
+def test_an_unwritable_database_location_is_one_error_line(make_job, tmp_path, where):
     (tmp_path / "a_file").write_text("not a folder")
     database = str(tmp_path / "a_file" / "results.sqlite") if where == "under_a_file" else "/proc/runner-test/r.sqlite"
     job = make_job(rows=3, job={"output": {"database": database}})
-    out = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 6, out.stderr
+    out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)])
+    assert out.exit_code == 6, out.stderr
     assert out.stderr.startswith("Error: ") and len(out.stderr.splitlines()) == 1
     assert "results.sqlite" in out.stderr or "r.sqlite" in out.stderr
 
@@ -152,9 +156,6 @@ def listener():
 def test_a_schema_ref_to_a_url_is_refused_at_validate_without_a_connection(make_job, tmp_path, listener):
     import json
 
-    from click.testing import CliRunner
-
-    from runner.cli import cli
     from tests.conftest import SCHEMA
 
     port, seen = listener
