@@ -166,7 +166,7 @@ def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[J
         return job, None
     v = store.latest_verification(digest(key), setting_key(spec.model_dump()))
     limit = job.engine.verify.min_agreement
-    if v is None or passes(v["agreement"], v["baseline_agreement"], limit):
+    if v is None or passes(v["agreement"], v["baseline_agreement"], limit, v["rows"]):
         return job, None
     why = (f"running without speculative decoding: runner verify found {spec.method} drafts left "
            f"{v['agreement']:.1%} of greedy outputs unchanged (verify.min_agreement {limit:.0%}; --no-verify keeps them)")
