@@ -1,0 +1,123 @@
+"""Engine start: `runner run` against plain `LLM(...)` with the same settings plus one request.
+
+Both are whole processes on the job's engine config, timed from start to exit, interleaved in
+rounds: `plain` imports vLLM, builds `LLM(**settings)` (the keyword arguments the runner itself
+would pass) and generates one token; `runner` is `runner run --limit 1` with `max_tokens` 1 on a
+fresh database (reading, planning, the lock and the database included). What the runner adds to
+starting an engine is the difference. Prints a table; writes JSON with every run.
+
+    python bench/startup.py --job jobs/summarize.yaml --out bench/results/DATE-MACHINE-startup.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PLAIN = """
+import json, os, sys, time
+t0 = time.perf_counter()
+kw = json.load(open(sys.argv[1]))
+os.environ.update(json.load(open(sys.argv[2])))
+from vllm import LLM, SamplingParams
+t1 = time.perf_counter()
+llm = LLM(**kw)
+t2 = time.perf_counter()
+llm.generate(["Hello"], SamplingParams(max_tokens=1), use_tqdm=False)
+t3 = time.perf_counter()
+print("RESULT " + json.dumps({"import_s": t1 - t0, "init_s": t2 - t1, "request_s": t3 - t2}), flush=True)
+os._exit(0)  # as the runner does: no module-by-module teardown of torch and vLLM
+"""
+
+
+def settings(job_path: str, work: Path) -> tuple[Path, Path]:
+    """The runner's own vLLM keyword arguments and environment for the job, written for the plain child."""
+    from runner.engines.vllm_settings import llm_kwargs, offline_environment
+    from runner.spec import load_job
+
+    job = load_job(job_path)
+    kw, env = llm_kwargs(job.engine, job.model_path, job.sampling.seed), offline_environment(job.engine.in_process)
+    (work / "kw.json").write_text(json.dumps(kw))
+    (work / "env.json").write_text(json.dumps(env))
+    return work / "kw.json", work / "env.json"
+
+
+def run_plain(kw: Path, env: Path) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", PLAIN, str(kw), str(env)], capture_output=True, text=True)
+    process_s = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"config": "plain", "error": proc.stderr[-1500:], "process_s": process_s}
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return {"config": "plain", "process_s": process_s} | json.loads(line[7:])
+
+
+def run_runner(job: str, work: Path, n: int) -> dict:
+    db = work / f"runner-{n}.sqlite"
+    cmd = [sys.executable, "-m", "runner.cli", "run", "--quiet", "--limit", "1", "--set", "sampling.max_tokens=1",
+           "--set", "sampling.retry_repetition_penalty=null", "--set", f"output.database={db}", job]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    process_s = time.perf_counter() - t0
+    if proc.returncode not in (0, 65):  # 65: the one-token row is cut off, which is the point
+        return {"config": "runner", "error": proc.stderr[-1500:], "process_s": process_s}
+    con = sqlite3.connect(db)
+    load, gen, wall = con.execute("SELECT engine_load_s, generation_s, wall_s FROM run_stats").fetchone()
+    con.close()
+    return {"config": "runner", "process_s": process_s, "engine_load_s": load, "generation_s": gen, "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", default=str(ROOT / "jobs" / "summarize.yaml"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--machine", default="this machine")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="runner-startup-"))
+    kw, env = settings(a.job, work)
+    runs = []
+    for r in range(1, a.repeats + 1):
+        for config in ("plain", "runner"):
+            run = run_plain(kw, env) if config == "plain" else run_runner(a.job, work, r)
+            runs.append(run | {"round": r})
+            print(f"round {r} {config}: {run['process_s']:.1f} s{' ERROR ' + run['error'] if 'error' in run else ''}",
+                  file=sys.stderr, flush=True)
+    ok = [x for x in runs if "error" not in x]
+
+    def med(config: str, key: str):
+        values = [x[key] for x in ok if x["config"] == config and x.get(key) is not None]
+        return (round(statistics.median(values), 2), round(min(values), 2), round(max(values), 2)) if values else None
+
+    ratios = [next(x for x in ok if x["config"] == "runner" and x["round"] == r)["process_s"]
+              / next(x for x in ok if x["config"] == "plain" and x["round"] == r)["process_s"]
+              for r in range(1, a.repeats + 1)
+              if {"plain", "runner"} <= {x["config"] for x in ok if x["round"] == r}]
+    summary = {"plain_process_s": med("plain", "process_s"), "plain_import_s": med("plain", "import_s"),
+               "plain_init_s": med("plain", "init_s"), "runner_process_s": med("runner", "process_s"),
+               "runner_engine_load_s": med("runner", "engine_load_s"),
+               "runner_vs_plain_process": round(statistics.median(ratios), 3) if ratios else None}
+    print(f"{'':<10}{'process s (median, min-max)':>30}")
+    for config in ("plain", "runner"):
+        m = summary[f"{config}_process_s"]
+        print(f"{config:<10}{m[0]:>12} ({m[1]}-{m[2]})" if m else f"{config:<10} failed")
+    print(json.dumps(summary))
+    if a.out:
+        doc = {"machine": a.machine, "date": date.today().isoformat(), "commit": os.environ.get("BENCH_COMMIT"),
+               "job": a.job, "settings": json.loads(kw.read_text()), **summary, "runs": runs}
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
