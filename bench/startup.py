@@ -2,7 +2,8 @@
 
 Both are whole processes on the job's engine config, timed from start to exit, interleaved in
 rounds: `plain` imports vLLM, builds `LLM(**settings)` (the keyword arguments the runner itself
-would pass) and generates one token; `runner` is `runner run --limit 1` with `max_tokens` 1 on a
+would pass) and generates one token for the job's first row (its prompt as the runner builds it,
+under the job's schema); `runner` is `runner run --limit 1` with `max_tokens` 1 on a
 fresh database (reading, planning, the lock and the database included). What the runner adds to
 starting an engine is the difference. Prints a table; writes JSON with every run.
 
@@ -29,33 +30,44 @@ PLAIN = """
 import json, os, sys, time
 t0 = time.perf_counter()
 kw = json.load(open(sys.argv[1]))
+first = json.load(open(sys.argv[3]))
 os.environ.update(json.load(open(sys.argv[2])))
 from vllm import LLM, SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
 t1 = time.perf_counter()
 llm = LLM(**kw)
 t2 = time.perf_counter()
-llm.generate(["Hello"], SamplingParams(max_tokens=1), use_tqdm=False)
+params = SamplingParams(max_tokens=1, temperature=0, structured_outputs=StructuredOutputsParams(json=first["schema"]))
+llm.generate([{"prompt_token_ids": first["prompt_token_ids"]}], params, use_tqdm=False)
 t3 = time.perf_counter()
 print("RESULT " + json.dumps({"import_s": t1 - t0, "init_s": t2 - t1, "request_s": t3 - t2}), flush=True)
 os._exit(0)  # as the runner does: no module-by-module teardown of torch and vLLM
 """
 
 
-def settings(job_path: str, work: Path) -> tuple[Path, Path]:
-    """The runner's own vLLM keyword arguments and environment for the job, written for the plain child."""
+def settings(job_path: str, work: Path) -> list[Path]:
+    """For the plain child: the runner's own vLLM keyword arguments and environment for the job,
+    and the job's first row as the runner prompts it (token ids) with the job's schema."""
     from runner.engines.vllm_settings import llm_kwargs, offline_environment
+    from runner.prompting import builder_for
+    from runner.readers import LocalReader
     from runner.spec import load_job
 
     job = load_job(job_path)
-    kw, env = llm_kwargs(job.engine, job.model_path, job.sampling.seed), offline_environment(job.engine.in_process)
-    (work / "kw.json").write_text(json.dumps(kw))
-    (work / "env.json").write_text(json.dumps(env))
-    return work / "kw.json", work / "env.json"
+    kw, env = llm_kwargs(job.engine, job.model_path, job.spec.sampling.seed), offline_environment(job.engine.in_process)
+    doc = next(iter(LocalReader(job.input_path, job.spec.input).documents(job.system_source)))
+    builder = builder_for(job)
+    first = {"prompt_token_ids": builder.prompt_ids(doc.system_prompt, builder.user_text(doc)),
+             "schema": job.output_schema}
+    paths = [work / "kw.json", work / "env.json", work / "first.json"]
+    for path, value in zip(paths, (kw, env, first)):
+        path.write_text(json.dumps(value))
+    return paths
 
 
-def run_plain(kw: Path, env: Path) -> dict:
+def run_plain(files: list[Path]) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", PLAIN, str(kw), str(env)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", PLAIN, *map(str, files)], capture_output=True, text=True)
     process_s = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"config": "plain", "error": proc.stderr[-1500:], "process_s": process_s}
@@ -86,11 +98,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="runner-startup-"))
-    kw, env = settings(a.job, work)
+    files = settings(a.job, work)
     runs = []
     for r in range(1, a.repeats + 1):
         for config in ("plain", "runner"):
-            run = run_plain(kw, env) if config == "plain" else run_runner(a.job, work, r)
+            run = run_plain(files) if config == "plain" else run_runner(a.job, work, r)
             runs.append(run | {"round": r})
             print(f"round {r} {config}: {run['process_s']:.1f} s{' ERROR ' + run['error'] if 'error' in run else ''}",
                   file=sys.stderr, flush=True)
@@ -115,7 +127,7 @@ def main() -> None:
     print(json.dumps(summary))
     if a.out:
         doc = {"machine": a.machine, "date": date.today().isoformat(), "commit": os.environ.get("BENCH_COMMIT"),
-               "job": a.job, "settings": json.loads(kw.read_text()), **summary, "runs": runs}
+               "job": a.job, "settings": json.loads(files[0].read_text()), **summary, "runs": runs}
         Path(a.out).write_text(json.dumps(doc, indent=1))
 
 

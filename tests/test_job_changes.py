@@ -112,6 +112,21 @@ def test_too_many_rows_not_ok_exits_65_after_storing_them(make_job, tmp_path):
     assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
 
 
+def test_a_completed_run_over_the_failure_limit_exits_65_as_a_process_with_its_rows_stored(make_job, tmp_path):
+    """As a process: the run completed, so it exits without tearing the engine down (os._exit)
+    and still says why, with the database closed and the lock free for the next run."""
+    impossible = SCHEMA | {"properties": SCHEMA["properties"] | {"summary": {"type": "string", "pattern": "^x$"}}}
+    job = make_job(rows=4, schema=impossible, job={"output": {"max_failed_fraction": 0.05}})
+    out = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 65 and out.stderr.startswith("Error: the run completed, but 4 of the job's 4 rows")
+    db = tmp_path / "out" / "results.sqlite"
+    assert rows(db, "status") == [("schema_mismatch",)] * 4
+    wal = db.with_name(db.name + "-wal")
+    assert not wal.exists() or wal.stat().st_size == 0  # checkpointed and closed
+    assert invoke("run", "--engine", "fake", "--quiet", "--retry-failed", job).exit_code == 65  # the lock is free
+
+
 def test_a_row_whose_prompt_cannot_be_built_is_a_failed_row(make_job, tmp_path):
     f = tmp_path / "data" / "docs.parquet"
     f.parent.mkdir(parents=True, exist_ok=True)
