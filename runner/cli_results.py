@@ -76,13 +76,13 @@ def stats(run_id, job, db, overrides, last, as_json):
 
 
 def _write_text(path: Path, text: str) -> None:
-    from runner.errors import RunnerError
+    from runner.errors import OutputFileError
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     except OSError as exc:
-        raise RunnerError(f"{path}: cannot write: {exc.strerror or exc}") from None
+        raise OutputFileError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
 
 def _run_json(store, r: dict) -> dict:

@@ -45,6 +45,11 @@ class StoreError(RunnerError):
     exit_code = 6
 
 
+class OutputFileError(StoreError):
+    """A file the runner writes from the store (an export, a report) cannot be written: the same
+    exit code as the database, a place the results cannot go."""
+
+
 class LockedError(RunnerError):
     """Another run of the same job holds the lock."""
 

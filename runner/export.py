@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from runner.errors import StoreError
+from runner.errors import OutputFileError, StoreError
 from runner.rows import EXPORT_COLUMNS
 from runner.store import Store
 
@@ -49,7 +49,7 @@ def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path
     try:
         _write(pa.table({c: _array(v) for c, v in cols.items()}), fmt, out)
     except OSError as exc:
-        raise StoreError(f"{out}: cannot write: {exc.strerror or exc}") from None
+        raise OutputFileError(f"{out}: cannot write: {exc.strerror or exc}") from None
     return n
 
 

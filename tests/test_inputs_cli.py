@@ -85,8 +85,11 @@ def test_results_written_where_they_cannot_be_are_one_error_line(make_job, tmp_p
     out = invoke("report", "1", "--job", job, "-o", tmp_path / "new" / "folder" / "r.html")
     assert out.exit_code == 0 and (tmp_path / "new" / "folder" / "r.html").is_file()
     (tmp_path / "file").write_text("")
-    out = invoke("export", "--job", job, "--format", "jsonl", "-o", tmp_path / "file" / "x.jsonl")
-    assert out.exit_code == 6 and out.output.startswith("Error: ") and out.output.count("\n") == 1, out.output
+    for command in (["export", "--job", job, "--format", "jsonl", "-o", tmp_path / "file" / "x.jsonl"],
+                    ["report", "1", "--job", job, "-o", tmp_path / "file" / "r.html"]):
+        out = invoke(*command)  # the same place, the same exit code, whichever command writes there
+        assert out.exit_code == 6 and out.output.startswith("Error: ") and out.output.count("\n") == 1, out.output
+        assert f"{tmp_path / 'file'}/" in out.output and "cannot write" in out.output
 
 
 def test_rejected_rows_are_counted_kept_once_and_never_reach_verify(make_job, tmp_path):
