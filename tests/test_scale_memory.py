@@ -14,6 +14,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bench.scale import LAUNCHER
 from tests.conftest import SYSTEM_A, SYSTEM_B
 from tests.test_crash_safety import runner_cmd
 
@@ -34,10 +35,8 @@ def write_rows(path, n: int):
 
 
 # A child's peak RSS counts the pages it shares with its parent right after fork: measured from
-# pytest, it would be the size of this test process (which grows as tests run). A small launcher
-# forks the command and reports its children's peak instead.
-LAUNCHER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+# pytest, it would be the size of this test process (which grows as tests run). bench/scale.py's
+# small launcher forks the command and reports its children's peak instead.
 
 
 def peak_rss_mb(cmd) -> float:
