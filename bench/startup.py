@@ -110,7 +110,8 @@ def main() -> None:
 
     def med(config: str, key: str):
         values = [x[key] for x in ok if x["config"] == config and x.get(key) is not None]
-        return (round(statistics.median(values), 2), round(min(values), 2), round(max(values), 2)) if values else None
+        return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
+                "max": round(max(values), 2)} if values else None
 
     ratios = [next(x for x in ok if x["config"] == "runner" and x["round"] == r)["process_s"]
               / next(x for x in ok if x["config"] == "plain" and x["round"] == r)["process_s"]
@@ -123,7 +124,7 @@ def main() -> None:
     print(f"{'':<10}{'process s (median, min-max)':>30}")
     for config in ("plain", "runner"):
         m = summary[f"{config}_process_s"]
-        print(f"{config:<10}{m[0]:>12} ({m[1]}-{m[2]})" if m else f"{config:<10} failed")
+        print(f"{config:<10}{m['median']:>12} ({m['min']}-{m['max']})" if m else f"{config:<10} failed")
     print(json.dumps(summary))
     if a.out:
         doc = {"machine": a.machine, "date": date.today().isoformat(), "commit": os.environ.get("BENCH_COMMIT"),

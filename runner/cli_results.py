@@ -1,7 +1,9 @@
 """Commands that read a results database: stats, status, report, export."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 
 import click
@@ -78,10 +80,14 @@ def stats(run_id, job, db, overrides, last, as_json):
 def _write_text(path: Path, text: str) -> None:
     from runner.errors import OutputFileError
 
-    try:
+    part = path.with_name(f".{path.name}.part")
+    try:  # whole or not at all: written beside the target, then renamed over it
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        part.write_text(text, encoding="utf-8")
+        os.replace(part, path)
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            part.unlink()
         raise OutputFileError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
 

@@ -74,7 +74,7 @@ def verify(job, rows, wait, verbose, baseline, engine):
     """
     from runner.engines import build_engine
     from runner.spec import load_job
-    from runner.engines.speculation import noise_margin, passes
+    from runner.engines.speculation import Baseline, passes
     from runner.verify import verify_job
 
     spec = load_job(job)
@@ -88,12 +88,11 @@ def verify(job, rows, wait, verbose, baseline, engine):
     if results and baseline:
         say(f"without drafts, twice: {results[0].baseline_agreement:.1%} of rows unchanged (the engine's own variation)")
     for v in results:
-        verdict = "passes" if passes(v.agreement, v.baseline_agreement, limit, v.rows) else \
+        verdict = "passes" if passes(v.agreement, limit, Baseline.of(v)) else \
             f"FAILS verify.min_agreement {limit:.0%}: runs will not use it"
         if v.baseline_agreement is not None and v.agreement < limit:
-            margin = noise_margin(v.agreement, v.baseline_agreement, v.rows)
-            verdict += (f" (against {v.baseline_agreement:.1%} without drafts, noise of {v.rows} rows "
-                        f"±{margin:.1%}; more --rows narrow it)")
+            verdict += (f" (rows only the drafts changed: {v.rows_changed_by_drafts_only}, only the engine: "
+                        f"{v.rows_changed_by_engine_only}; a sign test tells them apart, more --rows sharpen it)")
         say(f"{v.setting} (k={v.draft_tokens}): {v.agreement:.1%} of {v.rows} rows unchanged; {verdict} "
             f"(stored as verification #{v.verification_id})")
         say(table([(f"field {f}", f"{a:.1%} agree") for f, a in v.field_agreement.items()] or [("fields", "-")]))

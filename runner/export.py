@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -46,18 +47,25 @@ def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path
             cols[_col(f, scalar)].append(v if scalar or v is None else json.dumps(v, ensure_ascii=False))
     import pyarrow as pa
 
+    if fmt not in FORMATS:
+        raise StoreError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     try:
-        _write(pa.table({c: _array(v) for c, v in cols.items()}), fmt, out)
+        if out is None:
+            _write(pa.table({c: _array(v) for c, v in cols.items()}), fmt, None)
+        else:  # whole or not at all: written beside the target, then renamed over it
+            out.parent.mkdir(parents=True, exist_ok=True)
+            part = out.with_name(f".{out.name}.part")
+            try:
+                _write(pa.table({c: _array(v) for c, v in cols.items()}), fmt, part)
+                os.replace(part, out)
+            finally:
+                part.unlink(missing_ok=True)
     except OSError as exc:
-        raise OutputFileError(f"{out}: cannot write: {exc.strerror or exc}") from None
+        raise OutputFileError(f"{out or 'standard output'}: cannot write: {exc.strerror or exc}") from None
     return n
 
 
 def _write(table, fmt: str, out: Optional[Path]) -> None:
-    if fmt not in FORMATS:
-        raise StoreError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
     sink = str(out) if out is not None else sys.stdout.buffer
     if fmt == "parquet":
         import pyarrow.parquet as pq

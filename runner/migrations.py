@@ -208,8 +208,17 @@ def m008_rejected_rows(conn: Connection) -> None:
     conn.exec_driver_sql("ALTER TABLE verifications ADD COLUMN baseline_agreement REAL")
 
 
+def m009_verification_discordant_rows(conn: Connection) -> None:
+    # runner verify --baseline, row by row: rows that only the drafts changed (the two runs without
+    # drafts agree, the run with drafts differs) and rows that only the engine changed (the runs
+    # without drafts differ, the run with drafts matches the first). The gate's sign test reads these.
+    conn.exec_driver_sql("ALTER TABLE verifications ADD COLUMN rows_changed_by_drafts_only INTEGER")
+    conn.exec_driver_sql("ALTER TABLE verifications ADD COLUMN rows_changed_by_engine_only INTEGER")
+
+
 MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations, m005_fingerprints,
-              m006_verifications_and_drafts, m007_output_token_ids, m008_rejected_rows]
+              m006_verifications_and_drafts, m007_output_token_ids, m008_rejected_rows,
+              m009_verification_discordant_rows]
 
 
 def utc_now() -> str:

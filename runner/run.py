@@ -18,7 +18,7 @@ from runner.collect import Progress, ResultCollector
 from runner.engines import Engine, build_engine
 from runner.engines.calibrate import CalibrationContext, calibrate
 from runner.engines.sequence import EngineSequence
-from runner.engines.speculation import passes, setting_key, with_speculative
+from runner.engines.speculation import Baseline, passes, setting_key, with_speculative
 from runner.errors import RunnerError
 from runner.fingerprint import calibration_key, changed_parts, digest, result_fingerprint
 from runner.inputs import InputScan, prefetch
@@ -166,10 +166,13 @@ def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[J
         return job, None
     v = store.latest_verification(digest(key), setting_key(spec.model_dump()))
     limit = job.engine.verify.min_agreement
-    if v is None or passes(v["agreement"], v["baseline_agreement"], limit, v["rows"]):
+    if v is None or passes(v["agreement"], limit, Baseline.of(v)):
         return job, None
+    base = "" if v["baseline_agreement"] is None else \
+        f", more than the engine changes on its own ({v['baseline_agreement']:.1%} without drafts, twice)"
     why = (f"running without speculative decoding: runner verify found {spec.method} drafts left "
-           f"{v['agreement']:.1%} of greedy outputs unchanged (verify.min_agreement {limit:.0%}; --no-verify keeps them)")
+           f"{v['agreement']:.1%} of greedy outputs unchanged{base} (verify.min_agreement {limit:.0%}; "
+           "--no-verify keeps them)")
     if opts.notify is not None:
         opts.notify(why)
     return with_speculative(job, None), why

@@ -35,11 +35,14 @@ class SpeculationRecords:
 
     # -- verifications and drafts -------------------------------------------------------------
     def save_verification(self, *, key_sha256: str, setting: dict, job_name: str, rows: int, agreement: float,
-                          field_agreement: dict, differences: list, baseline_agreement: Optional[float] = None) -> int:
+                          field_agreement: dict, differences: list, baseline_agreement: Optional[float] = None,
+                          rows_changed_by_drafts_only: Optional[int] = None,
+                          rows_changed_by_engine_only: Optional[int] = None) -> int:
         values = dict(key_sha256=key_sha256, setting_json=json.dumps(setting, sort_keys=True), job_name=job_name,
                       rows=rows, agreement=agreement, field_agreement_json=json.dumps(field_agreement, sort_keys=True),
                       differences_json=json.dumps(differences, ensure_ascii=False), created_at_utc=utc_now(),
-                      baseline_agreement=baseline_agreement)
+                      baseline_agreement=baseline_agreement, rows_changed_by_drafts_only=rows_changed_by_drafts_only,
+                      rows_changed_by_engine_only=rows_changed_by_engine_only)
         with self._tx() as conn:
             return conn.execute(self.verifications.insert().values(**values)).inserted_primary_key[0]
 

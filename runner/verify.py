@@ -7,8 +7,8 @@ trusted: the same rows run greedy without drafts and with the setting, and the e
 compared. The result is stored; runs do not use a setting that agreed on fewer rows than
 `verify.min_agreement` (runner/run.py, runner/engines/calibrate.py). With `baseline`, the rows also
 run twice without drafts: where two plain runs already differ (bf16 on a GPU: a third of the rows
-on an H200, with or without vLLM's batch-invariant kernels), a setting that agrees as often as the
-baseline, within the sampling noise of the rows compared, passes (engines/speculation.passes).
+on an H200), a setting passes unless it changes clearly more rows than the engine does, by a sign
+test on the rows only one of them changed (engines/speculation.passes).
 """
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ class Verification:
     differences: list[dict]  # {"row_id", "without", "with"}
     verification_id: Optional[int] = None
     baseline_agreement: Optional[float] = None  # two runs without drafts, where measured
+    rows_changed_by_drafts_only: Optional[int] = None  # with the baseline: see engines.speculation.Baseline
+    rows_changed_by_engine_only: Optional[int] = None
 
 
 
@@ -54,15 +56,32 @@ def compare(without: dict[str, tuple], with_: dict[str, tuple], fields: list[str
     same, per_field, diffs = 0, {f: 0 for f in fields}, []
     for r in rows:
         a, b = without[r], with_[r]
-        if (a[1] or a[2]) == (b[1] or b[2]):
+        if _output(a) == _output(b):
             same += 1
         else:
-            diffs.append({"row_id": r, "without": a[1] or a[2], "with": b[1] or b[2]})
+            diffs.append({"row_id": r, "without": _output(a), "with": _output(b)})
         va, vb = _value(a[1]), _value(b[1])
         for f in fields:
             per_field[f] += va.get(f) == vb.get(f)
     n = len(rows) or 1
     return same / n, {f: round(k / n, 4) for f, k in per_field.items()}, diffs
+
+
+def discordant(first: dict, second: dict, drafted: dict) -> tuple[int, int]:
+    """Of the rows of two runs without drafts and one with: how many only the drafts changed (the
+    runs without drafts agree, the drafted one differs from them), and how many only the engine
+    changed (the runs without drafts differ, the drafted one matches the first)."""
+    drafts_only = engine_only = 0
+    for r in set(first) & set(second) & set(drafted):
+        repeat, kept = _output(first[r]) == _output(second[r]), _output(first[r]) == _output(drafted[r])
+        drafts_only += repeat and not kept
+        engine_only += kept and not repeat
+    return drafts_only, engine_only
+
+
+def _output(row: tuple) -> Optional[str]:
+    """What a row came out as: its extraction, or its text where there is none."""
+    return row[1] or row[2]
 
 
 def _value(extraction: Optional[str]) -> dict:
@@ -105,9 +124,8 @@ def verify_job(job: Job, *, rows: Optional[int] = None, engine_factory: Callable
             built = list(itertools.islice((r for _, chunk in planned for r in chunk), rows or job.engine.verify.rows))
             plain = [None, None] if baseline else [None]
             outputs = [_run(greedy, engine_factory, store, rb, built, s) for s in [*plain, *settings]]
-            base = compare(outputs[0], outputs[1], [])[0] if baseline else None
             key = digest(calibration_key(job, scan.system_prompt_keys))
-            return [_record(store, job, key, s, outputs[0], out, base)
+            return [_record(store, job, key, s, outputs[0], out, outputs[1] if baseline else None)
                     for s, out in zip(settings, outputs[len(plain):])]
         finally:
             store.close()
@@ -125,12 +143,18 @@ def _run(job: Job, engine_factory, store: Store, rb: RequestBuilder, built: list
 
 
 def _record(store: Store, job: Job, key: str, setting: dict, without: dict, with_: dict,
-            baseline: Optional[float]) -> Verification:
+            again: Optional[dict]) -> Verification:
+    """Compare and store; `again` is the second run without drafts, with --baseline."""
     fields = list(job.output_schema.get("properties", {})) if isinstance(job.output_schema, dict) else []
     agreement, per_field, diffs = compare(without, with_, fields)
     v = Verification(setting_key(setting), setting.get("num_speculative_tokens", 0), len(without), round(agreement, 4),
-                     per_field, diffs[:MAX_DIFFERENCES], baseline_agreement=baseline and round(baseline, 4))
-    v.verification_id = store.save_verification(key_sha256=key, setting=v.setting, job_name=job.name, rows=v.rows,
-                                                agreement=v.agreement, field_agreement=v.field_agreement,
-                                                differences=v.differences, baseline_agreement=v.baseline_agreement)
+                     per_field, diffs[:MAX_DIFFERENCES])
+    if again is not None:
+        v.baseline_agreement = round(compare(without, again, [])[0], 4)
+        v.rows_changed_by_drafts_only, v.rows_changed_by_engine_only = discordant(without, again, with_)
+    v.verification_id = store.save_verification(
+        key_sha256=key, setting=v.setting, job_name=job.name, rows=v.rows, agreement=v.agreement,
+        field_agreement=v.field_agreement, differences=v.differences, baseline_agreement=v.baseline_agreement,
+        rows_changed_by_drafts_only=v.rows_changed_by_drafts_only,
+        rows_changed_by_engine_only=v.rows_changed_by_engine_only)
     return v

@@ -91,6 +91,30 @@ def test_results_written_where_they_cannot_be_are_one_error_line(make_job, tmp_p
         assert out.exit_code == 6 and out.output.startswith("Error: ") and out.output.count("\n") == 1, out.output
         assert f"{tmp_path / 'file'}/" in out.output and "cannot write" in out.output
 
+def test_an_export_or_report_is_written_whole_or_not_at_all(make_job, tmp_path, monkeypatch):
+    """Written beside the target and renamed over it: when the last step fails (a full disk, here
+    a refused rename), the file from the night before is intact and no partial file stays."""
+    import os
+
+    job = make_job()
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    (tmp_path / "last.csv").write_text("yesterday")
+    (tmp_path / "last.html").write_text("yesterday")
+
+    def refused(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", refused)
+    for command in (["export", "--job", job, "--format", "csv", "-o", tmp_path / "last.csv"],
+                    ["report", "1", "--job", job, "-o", tmp_path / "last.html"]):
+        out = invoke(*command)
+        assert out.exit_code == 6 and "No space left on device" in out.output, out.output
+    assert (tmp_path / "last.csv").read_text() == (tmp_path / "last.html").read_text() == "yesterday"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
+    monkeypatch.undo()
+    assert invoke("export", "--job", job, "--format", "csv", "-o", tmp_path / "last.csv").exit_code == 0
+    assert (tmp_path / "last.csv").read_text().startswith('"row_id",')
+
 
 def test_rejected_rows_are_counted_kept_once_and_never_reach_verify(make_job, tmp_path):
     docs = tmp_path / "data" / "d.parquet"

@@ -127,6 +127,38 @@ def test_a_completed_run_over_the_failure_limit_exits_65_as_a_process_with_its_r
     assert invoke("run", "--engine", "fake", "--quiet", "--retry-failed", job).exit_code == 65  # the lock is free
 
 
+def test_main_leaves_through_os_exit_only_after_a_completed_run(make_job, monkeypatch):
+    """Exit 65 after a completed run skips the interpreter's teardown like exit 0; a run that did
+    not complete (here: its input is missing, exit 3) leaves the normal way."""
+    import sys
+
+    import runner.cli as cli_module
+
+    class Left(Exception):
+        pass
+
+    codes = []
+
+    def fake_exit(code):
+        codes.append(code)
+        raise Left
+
+    impossible = SCHEMA | {"properties": SCHEMA["properties"] | {"summary": {"type": "string", "pattern": "^x$"}}}
+    job = make_job(rows=3, schema=impossible, job={"output": {"max_failed_fraction": 0.05}})
+    monkeypatch.setattr(cli_module.os, "_exit", fake_exit)
+    monkeypatch.setattr(cli_module, "_finished_run", {})
+    monkeypatch.setattr(sys, "argv", ["runner", "run", "--engine", "fake", "--quiet", str(job)])
+    with pytest.raises(Left):
+        cli_module.main()
+    assert codes == [65]
+    monkeypatch.setattr(cli_module, "_finished_run", {})
+    monkeypatch.setattr(sys, "argv", ["runner", "run", "--engine", "fake", "--quiet", "--set", "input.path=none.parquet",
+                                      str(job)])
+    with pytest.raises(SystemExit) as left:
+        cli_module.main()
+    assert left.value.code == 3 and codes == [65]
+
+
 def test_a_row_whose_prompt_cannot_be_built_is_a_failed_row(make_job, tmp_path):
     f = tmp_path / "data" / "docs.parquet"
     f.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 
 from runner.engines.base import Request
 from runner.engines.sequence import Phase
-from runner.engines.speculation import (Candidate, candidate, choose, passes, setting_key, speculative_config,
+from runner.engines.speculation import (Baseline, Candidate, candidate, choose, passes, setting_key, speculative_config,
                                          with_speculative)
 from runner.fingerprint import digest
 from runner.models import resolve_model
@@ -178,7 +178,7 @@ def _candidates(job: Job, ctx: CalibrationContext, gate: bool = True) -> tuple[l
             model = str(resolve_model(model, job.engine_config_path.parent))
         c = candidate(spec, model, cal.max_draft_tokens)
         v = ctx.store.latest_verification(ctx.key_sha256, setting_key(c.base)) if gate and ctx.verify_gate else None
-        if v is not None and not passes(v["agreement"], v["baseline_agreement"], verify.min_agreement, v["rows"]):
+        if v is not None and not passes(v["agreement"], verify.min_agreement, Baseline.of(v)):
             excluded.append(f"{c.name} (verified: {v['agreement']:.1%} of greedy outputs unchanged, "
                             f"verify.min_agreement {verify.min_agreement:.0%})")
             continue

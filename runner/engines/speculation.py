@@ -30,22 +30,48 @@ def setting_key(speculative: Optional[dict]) -> Optional[dict]:
     return {k: v for k, v in speculative.items() if k != "num_speculative_tokens"} if speculative else None
 
 
-def passes(agreement: float, baseline: Optional[float], min_agreement: float, rows: int = 0) -> bool:
-    """A setting passes when it changes no more outputs than min_agreement allows, or, measured
-    against two runs without drafts (`verify --baseline`), no more than the engine changes on its
-    own, within the sampling noise of the rows compared (see noise_margin)."""
+@dataclass(frozen=True)
+class Baseline:
+    """`runner verify --baseline`: how the drafts' changes compare with the engine's own, row by row."""
+
+    agreement: float  # share of rows two runs without drafts agree on
+    drafts_only: Optional[int] = None  # rows the drafts changed where the runs without drafts agree
+    engine_only: Optional[int] = None  # rows the runs without drafts differ on, unchanged by the drafts
+
+    @classmethod
+    def of(cls, v) -> Optional["Baseline"]:
+        """From a stored verification (a row or a Verification); None without a baseline."""
+        get = v.get if isinstance(v, dict) else lambda k: getattr(v, k, None)
+        if get("baseline_agreement") is None:
+            return None
+        return cls(get("baseline_agreement"), get("rows_changed_by_drafts_only"), get("rows_changed_by_engine_only"))
+
+
+FALSE_FAIL = 0.025  # how often a setting that changes no more than the engine fails the sign test
+
+
+def passes(agreement: float, min_agreement: float, baseline: Optional[Baseline] = None) -> bool:
+    """A setting passes when it changes no more outputs than min_agreement allows. Where the engine
+    itself changes more than that between two runs without drafts (bf16 on a GPU), it passes
+    unless the drafts change clearly more rows than the engine does (drafts_change_more)."""
     if agreement >= min_agreement:
         return True
-    return baseline is not None and agreement >= baseline - noise_margin(agreement, baseline, rows)
+    if baseline is None or baseline.agreement >= min_agreement:
+        return False  # the engine repeats itself: every change is the drafts'
+    if baseline.drafts_only is None or baseline.engine_only is None:  # stored before the row counts were
+        return agreement >= baseline.agreement
+    return not drafts_change_more(baseline.drafts_only, baseline.engine_only)
 
 
-def noise_margin(agreement: float, baseline: float, rows: int) -> float:
-    """Two standard errors of the difference between two shares measured on `rows` rows: where
-    the engine alone changes a third of the rows (bf16 on an H200), two equal settings measured on
-    128 rows differ by up to ~0.12 about one time in 40. Without a row count, no margin."""
-    if rows <= 0:
-        return 0.0
-    return 2 * math.sqrt((agreement * (1 - agreement) + baseline * (1 - baseline)) / rows)
+def drafts_change_more(drafts_only: int, engine_only: int) -> bool:
+    """Sign test on the rows that only one of the two changed: if the drafts change no more than the
+    engine, each such row is as likely the drafts' as the engine's (a fair coin). True when the
+    drafts' share is one a fair coin gives less often than FALSE_FAIL (one-sided, exact)."""
+    m = drafts_only + engine_only
+    if m == 0:
+        return False
+    tail = sum(math.comb(m, k) for k in range(drafts_only, m + 1))
+    return tail / 2 ** m < FALSE_FAIL
 
 
 def predict(spec: Phase, plain: Phase) -> dict[int, float]:
