@@ -204,7 +204,8 @@ def summarize(runs: list[dict], spec: dict, work: Path, ngram: dict, draft: dict
     cal = (by["auto"]["calibration"] if "auto" in by else None) or {}
     picked = cal.get("chosen") or {}
     kind = {"ngram": "ngram", "draft_model": "draft"}.get(picked.get("method"), "off")
-    chosen = by.get(f"{kind}_k{picked.get('num_speculative_tokens')}" if picked else "off", by["off"])
+    chosen_name = f"{kind}_k{picked.get('num_speculative_tokens')}" if picked else "off"
+    chosen = by.get(chosen_name)  # None: auto chose a length the fixed runs did not include
     k_draft = int(best_draft["config"].split("_k")[1])
     k_ngram = int(best_ngram["config"].split("_k")[1])
     verified = [verify(spec, work, draft | {"num_speculative_tokens": k_draft}, rows),
@@ -216,8 +217,9 @@ def summarize(runs: list[dict], spec: dict, work: Path, ngram: dict, draft: dict
         "verify_agreement": verified[0]["agreement"], "verify_agreement_ngram": verified[1]["agreement"],
         # What auto chose, run as a fixed setting, against the best fixed setting (auto's own run
         # also paid for its calibration slices: auto_documents_per_s).
-        "auto_vs_best_candidate": round(chosen["documents_per_s"] / best["documents_per_s"], 3) if "auto" in by else None,
-        "auto_choice": chosen["config"] if "auto" in by else None,
+        "auto_vs_best_candidate": round(chosen["documents_per_s"] / best["documents_per_s"], 3)
+        if "auto" in by and chosen else None,
+        "auto_choice": chosen_name if "auto" in by else None,
         "auto_documents_per_s": by["auto"]["documents_per_s"] if "auto" in by else None,
         "off_process_s": by["off"]["process_s"], "distilled_process_s": best_draft["process_s"],
         "best_fixed": best["config"], "verifications": verified, "medians": by,
