@@ -29,10 +29,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def runner_env(**extra: str) -> dict:
+    """The environment of a `runner` child: this checkout first on PYTHONPATH."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def runner(*args, check=True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "runner.cli", *map(str, args)]
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=runner_env())
     if check and proc.returncode not in (0, 65):
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return proc

@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.speculation import runner  # noqa: E402  (the benches' one `runner ...` subprocess helper)
+
 PLAIN = """
 import json, os, sys, time
 t0 = time.perf_counter()
@@ -77,10 +79,9 @@ def run_plain(files: list[Path]) -> dict:
 
 def run_runner(job: str, work: Path, n: int) -> dict:
     db = work / f"runner-{n}.sqlite"
-    cmd = [sys.executable, "-m", "runner.cli", "run", "--quiet", "--limit", "1", "--set", "sampling.max_tokens=1",
-           "--set", "sampling.retry_repetition_penalty=null", "--set", f"output.database={db}", job]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = runner("run", "--quiet", "--limit", "1", "--set", "sampling.max_tokens=1",
+                  "--set", "sampling.retry_repetition_penalty=null", "--set", f"output.database={db}", job, check=False)
     process_s = time.perf_counter() - t0
     if proc.returncode not in (0, 65):  # 65: the one-token row is cut off, which is the point
         return {"config": "runner", "error": proc.stderr[-1500:], "process_s": process_s}

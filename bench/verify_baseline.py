@@ -26,13 +26,13 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.speculation import make_workload_job  # noqa: E402
+from bench.speculation import make_workload_job, runner_env  # noqa: E402
 
 MODES = {"default": {}, "batch_invariant": {"VLLM_BATCH_INVARIANT": "1"}}
 
 
 def start(mode: str, job: Path, rows: int, gpu: str | None) -> tuple[subprocess.Popen, float]:
-    env = dict(os.environ, **MODES[mode], PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = runner_env(**MODES[mode])
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     cmd = [sys.executable, "-m", "runner.cli", "verify", "--baseline", "--rows", str(rows), str(job)]

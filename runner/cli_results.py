@@ -1,9 +1,7 @@
 """Commands that read a results database: stats, status, report, export."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from pathlib import Path
 
 import click
@@ -78,17 +76,9 @@ def stats(run_id, job, db, overrides, last, as_json):
 
 
 def _write_text(path: Path, text: str) -> None:
-    from runner.errors import OutputFileError
+    from runner.export import write_whole
 
-    part = path.with_name(f".{path.name}.part")
-    try:  # whole or not at all: written beside the target, then renamed over it
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part.write_text(text, encoding="utf-8")
-        os.replace(part, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            part.unlink()
-        raise OutputFileError(f"{path}: cannot write: {exc.strerror or exc}") from None
+    write_whole(path, lambda part: part.write_text(text, encoding="utf-8"))
 
 
 def _run_json(store, r: dict) -> dict:

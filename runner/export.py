@@ -1,11 +1,12 @@
 """Exporting a run's results to Parquet, CSV or JSON Lines, extraction fields as columns."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from runner.errors import OutputFileError, StoreError
 from runner.rows import EXPORT_COLUMNS
@@ -49,20 +50,30 @@ def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path
 
     if fmt not in FORMATS:
         raise StoreError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    table = pa.table({c: _array(v) for c, v in cols.items()})
+    if out is not None:
+        write_whole(out, lambda part: _write(table, fmt, part))
+        return n
     try:
-        if out is None:
-            _write(pa.table({c: _array(v) for c, v in cols.items()}), fmt, None)
-        else:  # whole or not at all: written beside the target, then renamed over it
-            out.parent.mkdir(parents=True, exist_ok=True)
-            part = out.with_name(f".{out.name}.part")
-            try:
-                _write(pa.table({c: _array(v) for c, v in cols.items()}), fmt, part)
-                os.replace(part, out)
-            finally:
-                part.unlink(missing_ok=True)
+        _write(table, fmt, None)
     except OSError as exc:
-        raise OutputFileError(f"{out or 'standard output'}: cannot write: {exc.strerror or exc}") from None
+        raise OutputFileError(f"standard output: cannot write: {exc.strerror or exc}") from None
     return n
+
+
+def write_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """A file written whole or not at all: `write` fills a file beside `path`, which is then
+    renamed over it, so a failed write (a full disk) leaves the file from before as it was. Exports
+    and reports; an OutputFileError names the path."""
+    part = path.with_name(f".{path.name}.part")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(part)
+        os.replace(part, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            part.unlink()
+        raise OutputFileError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
 
 def _write(table, fmt: str, out: Optional[Path]) -> None:

@@ -125,7 +125,9 @@ def verify_job(job: Job, *, rows: Optional[int] = None, engine_factory: Callable
             plain = [None, None] if baseline else [None]
             outputs = [_run(greedy, engine_factory, store, rb, built, s) for s in [*plain, *settings]]
             key = digest(calibration_key(job, scan.system_prompt_keys))
-            return [_record(store, job, key, s, outputs[0], out, outputs[1] if baseline else None)
+            again = outputs[1] if baseline else None
+            base = round(compare(outputs[0], again, [])[0], 4) if baseline else None
+            return [_record(store, job, key, s, outputs[0], out, again, base)
                     for s, out in zip(settings, outputs[len(plain):])]
         finally:
             store.close()
@@ -143,14 +145,15 @@ def _run(job: Job, engine_factory, store: Store, rb: RequestBuilder, built: list
 
 
 def _record(store: Store, job: Job, key: str, setting: dict, without: dict, with_: dict,
-            again: Optional[dict]) -> Verification:
-    """Compare and store; `again` is the second run without drafts, with --baseline."""
+            again: Optional[dict], base: Optional[float]) -> Verification:
+    """Compare and store; with --baseline, `again` is the second run without drafts and `base` the
+    share of rows it agrees with the first on."""
     fields = list(job.output_schema.get("properties", {})) if isinstance(job.output_schema, dict) else []
     agreement, per_field, diffs = compare(without, with_, fields)
     v = Verification(setting_key(setting), setting.get("num_speculative_tokens", 0), len(without), round(agreement, 4),
                      per_field, diffs[:MAX_DIFFERENCES])
     if again is not None:
-        v.baseline_agreement = round(compare(without, again, [])[0], 4)
+        v.baseline_agreement = base
         v.rows_changed_by_drafts_only, v.rows_changed_by_engine_only = discordant(without, again, with_)
     v.verification_id = store.save_verification(
         key_sha256=key, setting=v.setting, job_name=job.name, rows=v.rows, agreement=v.agreement,
