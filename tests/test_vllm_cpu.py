@@ -173,12 +173,16 @@ def test_real_verify_then_distill_a_draft_and_calibrate_with_it(make_job, tmp_pa
     docs = write_docs(tmp_path / "data" / "docs.parquet", 24, systems=(SYSTEM_B + example,))
     job = make_job(docs=docs, engine={"speculative": {"method": "ngram", "num_speculative_tokens": 3,
                                                       "prompt_lookup_max": 3, "prompt_lookup_min": 2}})
-    result = run_cli("verify", "--rows", "6", job)
+    result = run_cli("verify", "--rows", "6", "--baseline", job)
     assert result.returncode == 0, result.stderr[-3000:]
     con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
-    rows, agreement, fields = con.execute("SELECT rows, agreement, field_agreement_json FROM verifications").fetchone()
+    rows, agreement, fields, base, drafts_only, engine_only = con.execute(
+        "SELECT rows, agreement, field_agreement_json, baseline_agreement, rows_changed_by_drafts_only, "
+        "rows_changed_by_engine_only FROM verifications").fetchone()
     assert rows == 6 and 0 <= agreement <= 1 and set(json.loads(fields)) == {"summary", "sentiment"}
-    assert "of 6 rows unchanged" in result.stdout
+    assert "of 6 rows unchanged" in result.stdout and "without drafts, twice" in result.stdout
+    # The row counts account for the two shares: baseline - agreement = (drafts only - engine only) / rows.
+    assert abs((base - agreement) - (drafts_only - engine_only) / rows) < 1e-3
 
     assert run_cli("run", "--quiet", "--no-verify", job).returncode == 0  # outputs (and token ids) to learn from
     assert con.execute("SELECT count(*) FROM results WHERE output_token_ids_json IS NOT NULL").fetchone()[0] > 0
