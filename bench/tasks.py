@@ -151,6 +151,8 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),
     }
+    if name.startswith("vq"):  # vLLM's own admission and preemption, at most N requests queued: vq192
+        return {"speculative": None, "kv_admission": False, "max_in_flight": int(name[2:])}, {}
     if name.startswith("spec_k"):
         return {"speculative": NGRAM | {"num_speculative_tokens": int(name[6:])}}, {}
     return variants[name]

@@ -47,6 +47,10 @@ class Feed:
         queued = len(self.waiting) + len(self.in_flight) + self._n_held + len(self._released)
         return max(min(self.max_in_flight - queued, self.per_step), 0)
 
+    def held(self) -> int:
+        """Admitted requests waiting for their group's leader."""
+        return self._n_held
+
     def idle(self) -> bool:
         return not (self.waiting or self.in_flight or self._n_held or self._released)
 

@@ -92,7 +92,7 @@ class VllmEngine(Engine):
         # Where the driver's time goes (stored with the run's stats): waiting on the engine core in
         # step(), adding requests, and the caller's own work between polls.
         self.loop = {"steps": 0, "step_wait_s": 0.0, "add_request_s": 0.0, "between_polls_s": 0.0,
-                     "max_in_flight_seen": 0}
+                     "max_in_flight_seen": 0, "in_flight_step_sum": 0, "held_step_sum": 0}
         self.info = EngineInfo(backend="vllm", version=vllm.__version__, kv_total_blocks=self.kv_blocks,
                                settings={k: v for k, v in kw.items() if k != "model"}
                                | {"max_in_flight": max_in_flight, "warm_prefix": cfg.warm_prefix})
@@ -166,6 +166,9 @@ class VllmEngine(Engine):
         except Exception as exc:
             raise EngineError(f"vLLM engine failed: {exc.__class__.__name__}: {exc}") from None
         self.loop["steps"] += 1
+        # Per-step sums: their means say how full the engine was kept (sent) and what waited for a leader.
+        self.loop["in_flight_step_sum"] += len(self.feed.in_flight)
+        self.loop["held_step_sum"] += self.feed.held()
         self.budget.tick()
         self._check_preemptions()
         self.loop["step_wait_s"] += time.perf_counter() - t0
@@ -244,8 +247,11 @@ class VllmEngine(Engine):
 
     def adaptation(self) -> dict:
         """What the engine adapted while running (KV admission), and where the driver's time went."""
-        return self.budget.describe() | {"loop": {k: round(v, 3) if isinstance(v, float) else v
-                                                  for k, v in self.loop.items()}}
+        loop = {k: round(v, 3) if isinstance(v, float) else v for k, v in self.loop.items()}
+        steps = max(self.loop["steps"], 1)
+        loop |= {"mean_in_flight": round(self.loop["in_flight_step_sum"] / steps, 1),
+                 "mean_held": round(self.loop["held_step_sum"] / steps, 1)}
+        return self.budget.describe() | {"loop": loop}
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

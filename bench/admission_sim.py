@@ -1,0 +1,226 @@
+"""Admission policies against a simulated vLLM scheduler, on the CPU in seconds.
+
+A GPU lease is 30 minutes; this replays a tight-cache workload through the runner's real Feed and
+KvBudget (runner/engines/) and a small model of vLLM's V1 scheduler (FCFS admission while blocks
+are free, a token budget per step, prefix blocks shared once computed, preemption of the newest
+running request when a decode finds no free block, recompute from scratch). Step time is a cost
+model (fixed + per running request + per prefill token + per context token read), fitted by hand
+to the H200 8B-shape runs: use it to rank policies, then measure the winner on the GPU.
+
+    python bench/admission_sim.py --shape 8b --out /tmp/sim.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runner.engines.admission import KvBudget  # noqa: E402
+from runner.engines.base import Request  # noqa: E402
+from runner.engines.feed import Feed  # noqa: E402
+
+BT = 16
+# shape -> blocks, prefix tokens, private prompt tokens, output tokens (min, max), step cost (s):
+# fixed, per running request, per prefill token, per context token
+SHAPES = {
+    "8b": dict(blocks=3072, prefix=980, private=243, out=(256, 256), max_tokens=256,
+               cost=(3.5e-3, 80e-6, 37e-6, 0.027e-6)),
+    "135m": dict(blocks=1024, prefix=980, private=243, out=(40, 128), max_tokens=128,
+                 cost=(4e-3, 120e-6, 0.5e-6, 0.0)),
+}
+
+
+@dataclass
+class SimReq:
+    rid: str
+    group: str
+    prompt: int
+    out_len: int
+    hit: int = 0  # prefix tokens served from the cache
+    made: int = 0  # output tokens so far
+    owns_prefix: bool = False
+    prefilled: bool = False
+    preemptions: int = 0
+
+
+@dataclass
+class Vllm:
+    blocks: int
+    prefix_tokens: int
+    max_num_seqs: int = 256
+    token_budget: int = 16384
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+    cached: dict = field(default_factory=dict)  # group -> requests holding its prefix (0: evictable)
+    lru: list = field(default_factory=list)  # evictable prefixes, oldest first
+    preemptions: int = 0
+    prefill_tokens: int = 0
+    hit_tokens: int = 0
+    query_tokens: int = 0
+
+    @property
+    def pblocks(self) -> int:
+        return self.prefix_tokens // BT
+
+    def private(self, r: SimReq) -> int:
+        return math.ceil((r.prompt + r.made) / BT) - (self.pblocks if r.hit or r.owns_prefix else 0)
+
+    def used(self) -> int:
+        held = sum(1 for n in self.cached.values() if n > 0) * self.pblocks
+        return held + sum(self.private(r) for r in self.running if r.prefilled or r.hit)
+
+    def free(self) -> int:
+        return self.blocks - self.used() - len(self.lru) * self.pblocks
+
+    def _evict_until(self, need: int) -> bool:
+        while self.free() < need and self.lru:
+            g = self.lru.pop(0)
+            del self.cached[g]
+        return self.free() >= need
+
+    def _release(self, r: SimReq) -> None:
+        if r.hit or r.owns_prefix:
+            self.cached[r.group] -= 1
+            if self.cached[r.group] == 0:
+                self.lru.append(r.group)
+
+    def step(self) -> tuple[list[SimReq], int, int]:
+        """One engine step: decodes, then admissions. Returns finished, prefill tokens, context tokens."""
+        budget, ctx = self.token_budget, 0
+        for r in list(self.running):  # decodes, oldest first; the newest is preempted on a shortage
+            if r not in self.running:
+                continue
+            if (r.prompt + r.made) % BT == 0 and not self._evict_until(1):
+                while self.running and not self._evict_until(1):
+                    victim = self.running.pop()
+                    self._release(victim)
+                    victim.hit, victim.owns_prefix, victim.prefilled = 0, False, False  # recomputed, not regenerated
+                    victim.preemptions += 1
+                    self.preemptions += 1
+                    self.waiting.appendleft(victim)
+                    if victim is r:
+                        break
+                if r not in self.running:
+                    continue
+            r.made += 1
+            budget -= 1
+            ctx += r.prompt + r.made
+        computed_now: set[str] = set()
+        prefill = 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            hit = r.group in self.cached and r.group not in computed_now
+            need_tokens = r.prompt + r.made - (self.prefix_tokens if hit else 0)
+            if need_tokens > budget:
+                break
+            need_blocks = math.ceil((r.prompt + r.made) / BT) - (self.pblocks if hit else 0)
+            if hit and self.cached[r.group] == 0:
+                self.lru.remove(r.group)
+                self.cached[r.group] = 0
+            if not self._evict_until(need_blocks + (0 if hit or r.group in self.cached else 0)):
+                if hit and self.cached[r.group] == 0:
+                    self.lru.append(r.group)
+                break
+            self.waiting.popleft()
+            self.query_tokens += r.prompt
+            if hit:
+                r.hit = self.prefix_tokens
+                self.cached[r.group] += 1
+                self.hit_tokens += self.prefix_tokens
+            elif r.group not in self.cached:
+                r.owns_prefix = True
+                self.cached[r.group] = 1
+                computed_now.add(r.group)
+            budget -= need_tokens
+            prefill += need_tokens
+            r.prefilled = True
+            r.made += 1  # the prefill step samples a token
+            self.running.append(r)
+        self.prefill_tokens += prefill
+        done = [r for r in self.running if r.made >= r.out_len]
+        for r in done:
+            self.running.remove(r)
+            self._release(r)
+        return done, prefill, ctx
+
+
+def workload(docs: int, groups: int, shape: dict, seed: int = 0) -> list[SimReq]:
+    rnd = random.Random(seed)
+    lo, hi = shape["out"]
+    return [SimReq(f"r{i}", f"g{i % groups}", shape["prefix"] + shape["private"], rnd.randint(lo, hi))
+            for i in range(docs)]
+
+
+def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -> dict:
+    """policy: plain (arrival order straight to vLLM), sorted, or runner[-option...]."""
+    eng = Vllm(shape["blocks"], shape["prefix"], max_num_seqs=max_num_seqs)
+    fixed, per_req, per_prefill, per_ctx = shape["cost"]
+    steps = seconds = running_sum = 0
+    if policy in ("plain", "sorted"):
+        order = sorted(reqs, key=lambda r: int(r.group[1:])) if policy == "sorted" else reqs
+        eng.waiting.extend(order)
+        feed = None
+    else:
+        opts = set(policy.split("-")[1:])
+        over = next((int(o[4:]) / 100 for o in opts if o.startswith("over")), 1.0)
+        budget = KvBudget(None if "noadmit" in opts else int(shape["blocks"] * over), BT, max_running=max_num_seqs,
+                          project="peaks" not in opts)
+        feed = Feed(budget, 4 * max_num_seqs, max(32, max_num_seqs // 4), "nowarm" not in opts, clock=lambda: 0.0)
+        ordered = sorted(reqs, key=lambda r: int(r.group[1:]))
+        by_id = {r.rid: r for r in ordered}
+        pending = deque(Request(r.rid, r.group, [0] * r.prompt, shape["max_tokens"], shape["prefix"] // BT * BT)
+                        for r in ordered)
+    finished = seen = 0
+    while finished < len(reqs):
+        if feed is not None:
+            while pending and feed.room():
+                feed.add([pending.popleft() for _ in range(min(feed.room(), len(pending)))])
+            for a in feed.to_send():
+                feed.sent(a.request.row_id, a)
+                eng.waiting.append(by_id[a.request.row_id])
+        done, prefill, ctx = eng.step()
+        steps += 1
+        running_sum += len(eng.running) + len(done)
+        seconds += fixed + per_req * (len(eng.running) + len(done)) + per_prefill * prefill + per_ctx * ctx
+        if feed is not None:
+            feed.budget.tick()
+            if eng.preemptions > seen:
+                feed.budget.on_preemption()
+                seen = eng.preemptions
+            for r in eng.running:
+                if r.made >= 1:
+                    feed.progressed(r.rid)
+            for r in done:
+                feed.finished(r.rid, r.out_len)
+        finished += len(done)
+    return {"policy": policy, "steps": steps, "sim_s": round(seconds, 2), "docs_per_s": round(len(reqs) / seconds, 1),
+            "avg_running": round(running_sum / steps, 1), "preemptions": eng.preemptions,
+            "prefill_tokens": eng.prefill_tokens, "hit_rate": round(eng.hit_tokens / max(eng.query_tokens, 1), 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--docs", type=int, default=1024)
+    ap.add_argument("--groups", type=int, default=64)
+    ap.add_argument("--policies", default="plain,sorted,runner,runner-nowarm")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    shape = SHAPES[a.shape]
+    rows = []
+    for p in a.policies.split(","):
+        rows.append(run(p, workload(a.docs, a.groups, shape), shape))
+        print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    if a.out:
+        a.out.write_text(json.dumps({"shape": a.shape, "docs": a.docs, "groups": a.groups, "runs": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
