@@ -171,7 +171,7 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -
         opts = set(policy.split("-")[1:])
         over = next((int(o[4:]) / 100 for o in opts if o.startswith("over")), 1.0)
         budget = KvBudget(None if "noadmit" in opts else int(shape["blocks"] * over), BT, max_running=max_num_seqs,
-                          project="peaks" not in opts)
+                          project="peaks" not in opts, pace="nopace" not in opts)
         feed = Feed(budget, 4 * max_num_seqs, max(32, max_num_seqs // 4), "nowarm" not in opts, clock=lambda: 0.0)
         ordered = sorted(reqs, key=lambda r: int(r.group[1:]))
         by_id = {r.rid: r for r in ordered}

@@ -147,6 +147,7 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "spec_off": ({"speculative": None}, {}),
         "no_warm": ({"speculative": None, "warm_prefix": False}, {}),
         "peaks_only": ({"speculative": None, "kv_projection": False}, {}),
+        "no_pacing": ({"kv_pacing": False}, {}),
         "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),
@@ -216,6 +217,9 @@ def execute(a, t: Task, seeds: dict, env: dict) -> dict:
     process_s = time.perf_counter() - t0
     (d / "stdout.log").write_text(proc.stdout)
     log = proc.stdout + (d / "stderr.log").read_text(errors="replace")  # vLLM logs to stdout
+    job_log = d / "results.sqlite.bench.log"  # the runner sends the engine's output to the job's log
+    if job_log.exists():
+        log += job_log.read_text(errors="replace")
     startup = [ln.strip()[-160:] for ln in log.splitlines() if STARTUP_LOG.search(ln)][:20]
     if proc.returncode != 0:
         return {"error": log[-2000:], "rc": proc.returncode, "process_s": round(process_s, 2)}

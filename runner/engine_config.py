@@ -84,6 +84,9 @@ class EngineConfig(Strict):
     kv_admission: bool = Field(default=True, description="admit requests only while the KV cache can hold them")
     kv_projection: bool = Field(default=True, description=(
         "admit past the sum of peak KV needs while a projection (earlier requests finish first) fits"))
+    kv_pacing: bool = Field(default=True, description=(
+        "where the KV cache binds and outputs are about as long, spread admissions out so that waves "
+        "of requests do not finish (and peak) together"))
     warm_prefix: bool = Field(default=True, description="send a group's first request alone, then the rest")
     max_in_flight: Optional[int] = Field(
         default=None, ge=1, description="requests kept queued in the engine; default 4 x max_num_seqs"

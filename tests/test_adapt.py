@@ -70,12 +70,12 @@ def test_preemption_shrinks_the_budget():
 
 def simulate(budget: KvBudget, rows: int, prompt: int, output, steps: int = 5000):
     """Admit greedily; every sent request makes one token a step and holds ceil(tokens/block) blocks,
-    as vLLM allocates them. Returns (most blocks ever held, most requests at once)."""
+    as vLLM allocates them. Returns (most blocks ever held, most requests at once, steps taken)."""
     running: dict[int, list[int]] = {}  # ticket -> [tokens now, tokens at the end]
     waiting = list(range(rows))
     random.Random(0).shuffle(waiting)  # lengths arrive in no order, as rows do
     most_blocks = most_running = 0
-    for _ in range(steps):
+    for step in range(steps):
         while waiting and budget.can_admit(req(prompt=prompt, max_tokens=128)):
             n = waiting.pop()
             t = budget.admit(req(prompt=prompt, max_tokens=128))
@@ -91,7 +91,7 @@ def simulate(budget: KvBudget, rows: int, prompt: int, output, steps: int = 5000
         most_blocks, most_running = max(most_blocks, held), max(most_running, len(running))
         if not waiting and not running:
             break
-    return most_blocks, most_running
+    return most_blocks, most_running, step + 1
 
 
 @pytest.mark.parametrize("output", [lambda n: 40 + n % 60, lambda n: 128 if n % 4 == 0 else 50 + n % 30])
@@ -101,11 +101,33 @@ def test_projection_admits_more_than_the_sum_of_peaks_and_never_overflows(output
     blocks than the cache has (here, outputs one token a step, as the projection assumes)."""
     peaks = KvBudget(total_blocks=200, block_tokens=16, project=False)
     projected = KvBudget(total_blocks=200, block_tokens=16)
-    blocks_peaks, running_peaks = simulate(peaks, 400, 150, output)
-    blocks_proj, running_proj = simulate(projected, 400, 150, output)
+    blocks_peaks, running_peaks, _ = simulate(peaks, 400, 150, output)
+    blocks_proj, running_proj, _ = simulate(projected, 400, 150, output)
     assert blocks_peaks <= 200 and blocks_proj <= 200
     assert running_proj > running_peaks
     assert projected.admitted_over_peaks > 0
+
+
+def test_pacing_breaks_up_waves_of_equally_long_outputs():
+    """Every output 128 tokens: requests admitted together peak together, so without pacing the cache
+    holds one wave at a time, sized by peaks. Paced, admissions spread out after the first wave:
+    the same rows finish in fewer steps, and the cache still never overflows."""
+    runs = {}
+    for pace in (False, True):
+        b = KvBudget(total_blocks=400, block_tokens=16, max_running=256, pace=pace)
+        runs[pace] = simulate(b, 600, 150, lambda n: 128)
+        assert runs[pace][0] <= 400
+        assert (b.paced > 0) == pace
+    assert runs[True][2] < 0.95 * runs[False][2]
+
+
+def test_pacing_leaves_outputs_of_varied_length_and_a_roomy_cache_alone():
+    """Varied lengths do not travel in waves; a cache that holds max_num_seqs at their peaks does not bind."""
+    varied = KvBudget(total_blocks=400, block_tokens=16, max_running=256)
+    simulate(varied, 600, 150, lambda n: 20 + n % 108)
+    roomy = KvBudget(total_blocks=100_000, block_tokens=16, max_running=64)
+    simulate(roomy, 600, 150, lambda n: 128)
+    assert varied.paced == 0 and roomy.paced == 0
 
 
 def phase(k, tok_s, drafts=0, per_pos=()):

@@ -11,6 +11,14 @@ else the projected peak fits. Requests admitted earlier finish earlier, so the c
 every request at its peak at once: the projection walks forward through the steps at which the
 running requests finish, assuming one output token a step (speculation turns this off: it makes
 more tokens a step) and outputs as long as the 90th percentile seen so far.
+
+Pacing: requests admitted together finish together when their outputs are about as long (a
+schema with bounded fields; a model that always runs to max_tokens), and then hold their peaks
+at the same time, so the projection admits nothing until the whole wave is done: the cache holds
+a convoy sized by peaks, never one sized by the average (a request is at its peak only at its
+end). Where the cache binds (it cannot hold max_num_seqs requests at their peaks), admissions
+are therefore spread out at the rate that keeps the cache full in a steady state: room /
+(mean blocks a request holds) / (mean output length) per step, from a small bucket.
 """
 from __future__ import annotations
 
@@ -35,7 +43,7 @@ class Ticket:
 
 class KvBudget:
     def __init__(self, total_blocks: Optional[int], block_tokens: int, min_output_samples: int = 16,
-                 max_running: Optional[int] = None, project: bool = True):
+                 max_running: Optional[int] = None, project: bool = True, pace: bool = True):
         self.total_blocks = total_blocks
         self.block_tokens = block_tokens
         self.budget = total_blocks  # None: unbounded (the cache size is not known)
@@ -43,6 +51,10 @@ class KvBudget:
         self.min_output_samples = min_output_samples
         self.max_running = max_running  # vLLM runs at most this many (max_num_seqs); the rest wait
         self.project = project
+        self.pace = pace and project  # both count one token a step
+        self._bucket: Optional[float] = None  # admissions the pace allows now (None: not started)
+        self._bucket_step = 0
+        self.paced = 0  # times a request waited for the pace
         self.step = 0
         self.tickets: dict[int, Ticket] = {}
         self._ids = count()
@@ -50,6 +62,7 @@ class KvBudget:
         self._out_n = 0
         self._outputs: list[int] = []  # recent output lengths, for the percentile
         self._p90: Optional[int] = None
+        self._uniform: Optional[bool] = None
         # Short outputs finish first, so the lengths seen so far under-sample long ones. Only a
         # cohort is a fair sample: lengths count once every request admitted before them is done.
         self._finished: dict[int, Optional[int]] = {}  # done, but an earlier ticket is still running
@@ -103,12 +116,42 @@ class KvBudget:
         if self.budget is None or not self.tickets:
             return True  # an empty engine always takes one request, whatever its size
         room = self.budget - self._reserve(req)
+        if self.pace and not self._pace_allows(req, room):
+            self.paced += 1
+            return False
         if self.used + self.need(req) <= room:
             return True
         if self.project and self.projected_peak(req) <= room:
             self.admitted_over_peaks += 1
             return True
         return False
+
+    def _pace_allows(self, req: Request, room: int) -> bool:
+        """True when the pace has an admission left now (always, where the cache does not bind)."""
+        if self.max_running is None or room >= self.max_running * self.need(req) or not self.uniform_outputs():
+            return True
+        length = self.mean_output(req.max_tokens)
+        steady = room / ((len(req.prompt_token_ids) - req.cacheable_tokens + length / 2) / self.block_tokens + 1)
+        burst = max(4.0, steady / 8)
+        if self._bucket is None:
+            self._bucket, self._bucket_step = burst, self.step
+        self._bucket = min(self._bucket + (self.step - self._bucket_step) * steady / max(length, 1), burst)
+        self._bucket_step = self.step
+        return self._bucket >= 1
+
+    def uniform_outputs(self) -> bool:
+        """Outputs about as long as each other (10th percentile >= 3/4 of the 90th): the case in
+        which admitted waves stay together. Unknown until enough rows finished."""
+        if self._out_n < self.min_output_samples:
+            return False
+        if self._uniform is None:
+            recent = sorted(self._outputs)
+            self._uniform = recent[int(0.1 * (len(recent) - 1))] >= 0.75 * recent[int(0.9 * (len(recent) - 1))]
+        return self._uniform
+
+    def mean_output(self, max_tokens: int) -> float:
+        """Mean output tokens of the finished cohort; max_tokens until enough rows finished."""
+        return self._out_sum / self._out_n if self._out_n >= self.min_output_samples else max_tokens
 
     def projected_peak(self, req: Request) -> float:
         """Peak blocks the running requests plus `req` will hold, if each makes a token a step."""
@@ -148,6 +191,8 @@ class KvBudget:
             self._held_prefix += prefix - entry[1]
             entry[1] = prefix
         self.used += blocks
+        if self._bucket is not None:
+            self._bucket -= 1
         self.max_admitted = max(self.max_admitted, len(self.tickets))
         return ticket
 
@@ -167,7 +212,7 @@ class KvBudget:
                 self._out_sum += n
                 self._out_n += 1
                 self._outputs.append(n)
-                self._p90 = None
+                self._p90 = self._uniform = None
                 if len(self._outputs) > 512:
                     del self._outputs[:256]
 
@@ -194,5 +239,6 @@ class KvBudget:
             "preemptions_seen": self.preemptions_seen,
             "admissions_deferred": self.deferred,
             "admitted_by_projection": self.admitted_over_peaks,
+            "admissions_paced": self.paced,
             "max_admitted": self.max_admitted,
         }

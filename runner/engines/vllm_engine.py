@@ -61,6 +61,7 @@ class VllmEngine(Engine):
                              "weights (for the builtin model run: runner prepare-model; a config-only folder needs "
                              "load_format: dummy)")
         os.environ.update(offline_environment(cfg.in_process))
+        t0 = time.perf_counter()
         try:
             import vllm
             from vllm import LLM
@@ -69,6 +70,7 @@ class VllmEngine(Engine):
         self.cfg, self.sampling, self.schema = cfg, sampling, schema
         sampling_params(sampling, sampling.max_tokens)  # refused settings stop here, before the model loads
         kw = llm_kwargs(cfg, model_path, sampling.seed)
+        t1 = time.perf_counter()  # vLLM imported (the preload thread may have done most of it)
         try:
             self.llm = LLM(**kw)
         except RunnerError:  # the runner's own interrupt (SIGTERM) arrived while vLLM started
@@ -80,7 +82,8 @@ class VllmEngine(Engine):
         self.kv_blocks, self.kv_block_tokens = cache.num_gpu_blocks, cache.block_size
         self.budget = KvBudget(self.kv_blocks if cfg.kv_admission else None, self.kv_block_tokens,
                                max_running=cfg.max_num_seqs,
-                               project=cfg.kv_projection and not isinstance(cfg.speculative, SpeculativeSpec))
+                               project=cfg.kv_projection and not isinstance(cfg.speculative, SpeculativeSpec),
+                               pace=cfg.kv_pacing)
         max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
         self.feed = Feed(self.budget, max_in_flight, max(32, cfg.max_num_seqs // 4), cfg.warm_prefix, time.perf_counter)
         self._params: dict[tuple[int, bool, bool], Any] = {}
@@ -91,6 +94,8 @@ class VllmEngine(Engine):
         self._last_check = self._last_poll = time.perf_counter()
         # Where the driver's time goes (stored with the run's stats): waiting on the engine core in
         # step(), adding requests, and the caller's own work between polls.
+        # Where the start went: waiting for vLLM's import, then LLM(...) (engine process, load, compile, graphs).
+        self.start = {"import_wait_s": round(t1 - t0, 3), "llm_init_s": round(time.perf_counter() - t1, 3)}
         self.loop = {"steps": 0, "step_wait_s": 0.0, "add_request_s": 0.0, "between_polls_s": 0.0,
                      "max_in_flight_seen": 0, "in_flight_step_sum": 0, "held_step_sum": 0}
         self.info = EngineInfo(backend="vllm", version=vllm.__version__, kv_total_blocks=self.kv_blocks,
@@ -251,7 +256,7 @@ class VllmEngine(Engine):
         steps = max(self.loop["steps"], 1)
         loop |= {"mean_in_flight": round(self.loop["in_flight_step_sum"] / steps, 1),
                  "mean_held": round(self.loop["held_step_sum"] / steps, 1)}
-        return self.budget.describe() | {"loop": loop}
+        return self.budget.describe() | {"start": self.start, "loop": loop}
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
