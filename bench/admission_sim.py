@@ -3,9 +3,13 @@
 A GPU lease is 30 minutes; this replays a tight-cache workload through the runner's real Feed and
 KvBudget (runner/engines/) and a small model of vLLM's V1 scheduler (FCFS admission while blocks
 are free, a token budget per step, prefix blocks shared once computed, preemption of the newest
-running request when a decode finds no free block, recompute from scratch). Step time is a cost
-model (fixed + per running request + per prefill token + per context token read), fitted by hand
-to the H200 8B-shape runs: use it to rank policies, then measure the winner on the GPU.
+running request when a decode finds no free block, recompute of its tokens). Step time is a cost
+model (fixed + per running request + per prefill token + per context token read) fitted by hand to
+one 8B-shape runner run of an earlier lease (commit 347b337: 3,374 steps, 54.5 s); later leases ran
+the same work in 32-34 s, so read its steps and requests in flight, and rank policies by them, not
+its seconds. Its vLLM is simpler than vLLM (no chunked prefill, no cache hits on recompute of a
+preempted request's freed blocks): it is far off for `sorted` and `plain`, close for the runner.
+Then measure the winner on the GPU.
 
     python bench/admission_sim.py --shape 8b --out /tmp/sim.json
 """
@@ -179,12 +183,16 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -
                         for r in ordered)
     finished = seen = 0
     while finished < len(reqs):
+        if steps > 100 * len(reqs):  # a policy that stalls is reported, not waited for
+            raise RuntimeError(f"{policy}: {finished} of {len(reqs)} rows done after {steps} steps")
         if feed is not None:
             while pending and feed.room():
                 feed.add([pending.popleft() for _ in range(min(feed.room(), len(pending)))])
             for a in feed.to_send():
                 feed.sent(a.request.row_id, a)
                 eng.waiting.append(by_id[a.request.row_id])
+        if feed is not None and not eng.running and not eng.waiting:
+            raise RuntimeError(f"{policy}: nothing in flight and nothing sent after {steps} steps: admission stalled")
         done, prefill, ctx = eng.step()
         steps += 1
         running_sum += len(eng.running) + len(done)

@@ -54,7 +54,7 @@ class KvBudget:
         self.pace = pace and project  # both count one token a step
         self._bucket: Optional[float] = None  # admissions the pace allows now (None: not started)
         self._bucket_step = 0
-        self.paced = 0  # times a request waited for the pace
+        self.pace_waits = 0  # polls in which the next request waited for the pace (also in `deferred`)
         self.step = 0
         self.tickets: dict[int, Ticket] = {}
         self._ids = count()
@@ -117,7 +117,7 @@ class KvBudget:
             return True  # an empty engine always takes one request, whatever its size
         room = self.budget - self._reserve(req)
         if self.pace and not self._pace_allows(req, room):
-            self.paced += 1
+            self.pace_waits += 1
             return False
         if self.used + self.need(req) <= room:
             return True
@@ -127,21 +127,25 @@ class KvBudget:
         return False
 
     def _pace_allows(self, req: Request, room: int) -> bool:
-        """True when the pace has an admission left now (always, where the cache does not bind)."""
-        if self.max_running is None or room >= self.max_running * self.need(req) or not self.uniform_outputs():
+        """True when the pace has an admission left now. Where it does not apply (the cache does
+        not bind, outputs vary, or there is no room at all: the fit tests refuse then), the bucket
+        is dropped, so that admissions made without the pace leave no debt."""
+        if (self.max_running is None or room <= 0 or room >= self.max_running * self.need(req)
+                or not self.uniform_outputs()):
+            self._bucket = None
             return True
-        length = self.mean_output(req.max_tokens)
+        length = max(self.mean_output(req.max_tokens), 1.0)
         steady = room / ((len(req.prompt_token_ids) - req.cacheable_tokens + length / 2) / self.block_tokens + 1)
         burst = max(4.0, steady / 8)
         if self._bucket is None:
             self._bucket, self._bucket_step = burst, self.step
-        self._bucket = min(self._bucket + (self.step - self._bucket_step) * steady / max(length, 1), burst)
+        self._bucket = min(self._bucket + (self.step - self._bucket_step) * steady / length, burst)
         self._bucket_step = self.step
         return self._bucket >= 1
 
     def uniform_outputs(self) -> bool:
-        """Outputs about as long as each other (10th percentile >= 3/4 of the 90th): the case in
-        which admitted waves stay together. Unknown until enough rows finished."""
+        """Recent outputs about as long as each other (10th percentile >= 3/4 of the 90th): the
+        case in which admitted waves stay together. Unknown until enough rows finished."""
         if self._out_n < self.min_output_samples:
             return False
         if self._uniform is None:
@@ -150,8 +154,11 @@ class KvBudget:
         return self._uniform
 
     def mean_output(self, max_tokens: int) -> float:
-        """Mean output tokens of the finished cohort; max_tokens until enough rows finished."""
-        return self._out_sum / self._out_n if self._out_n >= self.min_output_samples else max_tokens
+        """Mean output tokens of the recent finished cohort (the same window as the percentiles:
+        lengths change from one group of rows to the next); max_tokens until enough rows finished."""
+        if self._out_n < self.min_output_samples:
+            return max_tokens
+        return sum(self._outputs) / len(self._outputs)
 
     def projected_peak(self, req: Request) -> float:
         """Peak blocks the running requests plus `req` will hold, if each makes a token a step."""
@@ -191,7 +198,7 @@ class KvBudget:
             self._held_prefix += prefix - entry[1]
             entry[1] = prefix
         self.used += blocks
-        if self._bucket is not None:
+        if self._bucket is not None:  # the pace applies: this admission used it
             self._bucket -= 1
         self.max_admitted = max(self.max_admitted, len(self.tickets))
         return ticket
@@ -239,6 +246,6 @@ class KvBudget:
             "preemptions_seen": self.preemptions_seen,
             "admissions_deferred": self.deferred,
             "admitted_by_projection": self.admitted_over_peaks,
-            "admissions_paced": self.paced,
+            "pace_waits": self.pace_waits,
             "max_admitted": self.max_admitted,
         }

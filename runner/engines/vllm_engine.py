@@ -70,7 +70,7 @@ class VllmEngine(Engine):
         self.cfg, self.sampling, self.schema = cfg, sampling, schema
         sampling_params(sampling, sampling.max_tokens)  # refused settings stop here, before the model loads
         kw = llm_kwargs(cfg, model_path, sampling.seed)
-        t1 = time.perf_counter()  # vLLM imported (the preload thread may have done most of it)
+        t1 = time.perf_counter()  # vLLM imported (the preload thread may have done most of it), settings built
         try:
             self.llm = LLM(**kw)
         except RunnerError:  # the runner's own interrupt (SIGTERM) arrived while vLLM started
