@@ -13,7 +13,7 @@ import click
 
 from runner import __version__
 from runner.cli_output import one_line, run_summary, say, table, warn
-from runner.errors import RunnerError
+from runner.errors import OutputClosed, RunnerError
 
 
 def reports_errors(fn):
@@ -23,6 +23,11 @@ def reports_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except OutputClosed as exc:
+            # Nothing more can go to standard output: point it at /dev/null so that the
+            # interpreter's last flush does not fail too, and leave without a message.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(exc.exit_code)
         except RunnerError as exc:
             warn(f"Error: {one_line(str(exc))}")
             sys.exit(exc.exit_code)

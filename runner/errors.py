@@ -50,6 +50,13 @@ class OutputFileError(StoreError):
     exit code as the database, a place the results cannot go."""
 
 
+class OutputClosed(RunnerError):
+    """The reader of standard output stopped reading (`runner export ... | head`): what a filter
+    does then, not a failure worth an `Error:` line."""
+
+    exit_code = 141  # 128 + SIGPIPE: what a shell reports for a filter its reader stopped
+
+
 class LockedError(RunnerError):
     """Another run of the same job holds the lock."""
 

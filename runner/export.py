@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from runner.errors import OutputFileError, StoreError
+from runner.errors import OutputClosed, OutputFileError, StoreError
 from runner.rows import EXPORT_COLUMNS
 from runner.store import Store
 
@@ -56,7 +57,10 @@ def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path
         return n
     try:
         _write(table, fmt, None)
+        sys.stdout.flush()
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError) or exc.errno == errno.EPIPE or "Broken pipe" in str(exc):
+            raise OutputClosed("standard output was closed by its reader") from None
         raise OutputFileError(f"standard output: cannot write: {exc.strerror or exc}") from None
     return n
 
@@ -89,9 +93,20 @@ def _write(table, fmt: str, out: Optional[Path]) -> None:
     else:
         lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in table.to_pylist())
         if out is None:
-            sys.stdout.write(lines)
+            _write_all(sys.stdout.buffer, lines.encode("utf-8"))
         else:
             out.write_text(lines, encoding="utf-8")
+
+
+def _write_all(stream, data: bytes) -> None:
+    """Write every byte or raise: an unbuffered stdout (PYTHONUNBUFFERED) reports a pipe its reader
+    closed as a short write, not an error."""
+    view = memoryview(data)
+    while view:
+        n = stream.write(view)
+        if not n:
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+        view = view[n:]
 
 
 def _col(field: str, scalar: bool) -> str:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
 from runner.cli import cli
+from tests.test_crash_safety import runner_cmd
 
 
 def invoke(*args):
@@ -143,3 +145,18 @@ def test_bad_input_leaves_no_log_and_no_folder_behind(make_job, tmp_path):
     out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--set", "input.text_column=nope", str(job)])
     assert out.exit_code == 3 and "column 'nope'" in out.output
     assert not (tmp_path / "out").exists()
+
+
+def test_export_to_a_reader_that_stops_early_ends_quietly(make_job, tmp_path):
+    """`runner export ... | head`: the reader closes the pipe after a few bytes. As for any filter,
+    no `Error:` line; the exit status is 141 (128 + SIGPIPE), which `set -o pipefail` can still see."""
+    job = make_job(rows=4000)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    for fmt in ("csv", "jsonl", "parquet"):
+        proc = subprocess.Popen(runner_cmd("export", "--job", job, "--format", fmt), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        assert len(proc.stdout.read(64)) == 64
+        proc.stdout.close()  # more than a pipe's 64 KiB is left to write
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 141, (fmt, err)
+        assert "Error" not in err and "Traceback" not in err, err
