@@ -89,7 +89,7 @@ def test_kill_9_while_the_database_is_being_created_then_rerun(make_job, tmp_pat
         while not wal.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.0005)
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=30) == -signal.SIGKILL, "the run ended before the kill: nothing was tested"
         done = run_here("run", "--engine", "fake", "--quiet", job)
         assert done.exit_code == 0, done.output
         con = sqlite3.connect(db)
