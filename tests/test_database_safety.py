@@ -5,6 +5,7 @@ import multiprocessing
 import signal
 import sqlite3
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,43 @@ def test_a_migration_that_fails_midway_leaves_no_half_made_schema(tmp_path, monk
     Store(db).close()  # the next run creates it whole
     names = [r[0] for r in sqlite3.connect(db).execute("SELECT name FROM _migrations")]
     assert names == [m.__name__ for m in MIGRATIONS]
+
+
+def test_two_creators_migrate_in_turn_not_at_once(tmp_path, monkeypatch):
+    """The store migrates under BEGIN IMMEDIATE: the second creator waits for the write lock before
+    it reads the schema version, so migrations never run side by side (a deferred BEGIN would let
+    both read version 0 and race to write). Two threads, two connections, one file."""
+    import runner.store as store_module
+
+    inside, most, lock = [0], [0], threading.Lock()
+    real = store_module.migrate
+
+    def slow_migrate(conn):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.3)  # long enough for the other thread to arrive
+        try:
+            real(conn)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(store_module, "migrate", slow_migrate)
+    db, errors = tmp_path / "r.sqlite", []
+
+    def create():
+        try:
+            Store(db).close()
+        except Exception as exc:  # recorded: the assertion below names it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == [] and most[0] == 1
 
 
 def _open(path: str, barrier) -> None:
