@@ -4,6 +4,8 @@
 # Each call of the lending tool lays the working tree anew, so the benchmark runs from a copy, in
 # the background, across calls:
 #   bash bench/gpu.sh start [bench.py options]   |   bash bench/gpu.sh wait SECONDS
+#   bash bench/gpu.sh streams DEADLINE_S "CASES_A" "CASES_B"   (two GPUs: one bench.py per GPU, each
+#       pinned to half the host's cores, so that neighbours do not share CPUs; then `wait`)
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 set -u
 BENCH="${BENCH:-bench/bench.py}"
@@ -17,10 +19,22 @@ start)
   BENCH_COMMIT="${BENCH_COMMIT:-unknown}" setsid nohup python3 "$BENCH" --model /tmp/smollm2 \
     --machine "$machine" --out /tmp/e2e.json --workdir /tmp/rb "$@" > /tmp/bench.log 2>&1 < /dev/null &
   sleep 30; grep -vE "WARNING|INFO|^\s*$" /tmp/bench.log | tail -5 ;;
+streams)
+  rm -rf /tmp/proj && cp -r . /tmp/proj && cd /tmp/proj
+  machine="$(nvidia-smi -L | wc -l)x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(nproc) cores, vllm 0.26.0"
+  half=$(( $(nproc) / 2 ))
+  for i in 0 1; do
+    cases=$([ $i = 0 ] && echo "$3" || echo "$4")
+    cores=$([ $i = 0 ] && echo "0-$(( half - 1 ))" || echo "$half-$(( 2 * half - 1 ))")
+    BENCH_COMMIT="${BENCH_COMMIT:-unknown}" setsid nohup taskset -c "$cores" python3 "$BENCH" --model /tmp/smollm2 \
+      --machine "$machine" --cases "$cases" --multi "" --gpus $i --deadline-s "$2" --out /tmp/e2e-$i.json \
+      --workdir /tmp/rb$i > /tmp/bench-$i.log 2>&1 < /dev/null &
+  done
+  sleep 20; tail -n 2 /tmp/bench-0.log /tmp/bench-1.log ;;
 wait)
   end=$(( $(date +%s) + $2 ))
   while [ "$(date +%s)" -lt "$end" ] && pgrep -f "python3 $BENCH" >/dev/null; do sleep 5; done
   pgrep -f "python3 $BENCH" >/dev/null && echo "still running" || echo "finished"
-  grep -E "doc/s|ERROR|Error|failed|runs planned|Traceback" /tmp/bench.log | tail -40
-  cp /tmp/e2e.json /tmp/bench.log "$OUT"/ 2>/dev/null ;;
+  grep -hE "doc/s|ERROR|Error|failed|runs planned|Traceback" /tmp/bench.log /tmp/bench-*.log 2>/dev/null | tail -40
+  cp /tmp/e2e*.json /tmp/bench*.log "$OUT"/ 2>/dev/null ;;
 esac
