@@ -163,7 +163,8 @@ def workload(docs: int, groups: int, shape: dict, seed: int = 0) -> list[SimReq]
 
 
 def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -> dict:
-    """policy: plain (arrival order straight to vLLM), sorted, or runner[-option...]."""
+    """policy: plain (arrival order straight to vLLM), sorted, or runner[-option...], options: nowarm,
+    noadmit (no KV budget), peaks (no projection), nopace, overNNN (a budget of NNN% of the blocks)."""
     eng = Vllm(shape["blocks"], shape["prefix"], max_num_seqs=max_num_seqs)
     fixed, per_req, per_prefill, per_ctx = shape["cost"]
     steps = seconds = running_sum = 0

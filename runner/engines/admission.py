@@ -61,8 +61,7 @@ class KvBudget:
         self._out_sum = 0
         self._out_n = 0
         self._outputs: list[int] = []  # recent output lengths, for the percentile
-        self._p90: Optional[int] = None
-        self._uniform: Optional[bool] = None
+        self._window: Optional[tuple[int, int, float]] = None  # (10th, 90th percentile, mean) of _outputs
         # Short outputs finish first, so the lengths seen so far under-sample long ones. Only a
         # cohort is a fair sample: lengths count once every request admitted before them is done.
         self._finished: dict[int, Optional[int]] = {}  # done, but an earlier ticket is still running
@@ -81,10 +80,16 @@ class KvBudget:
         of the finished cohort (+8)."""
         if self._out_n < self.min_output_samples:
             return max_tokens
-        if self._p90 is None:
+        return min(max_tokens, self._recent()[1] + 8)
+
+    def _recent(self) -> tuple[int, int, float]:
+        """10th and 90th percentiles and mean of the recent output lengths, sorted once per change
+        (admission asks for them on every request it considers)."""
+        if self._window is None:
             recent = sorted(self._outputs)
-            self._p90 = recent[int(0.9 * (len(recent) - 1))] + 8
-        return min(max_tokens, self._p90)
+            self._window = (recent[int(0.1 * (len(recent) - 1))], recent[int(0.9 * (len(recent) - 1))],
+                            sum(recent) / len(recent))
+        return self._window
 
     def need(self, req: Request) -> int:
         """Blocks this request may occupy at its peak beyond the shared prefix it finds in the cache."""
@@ -148,17 +153,15 @@ class KvBudget:
         case in which admitted waves stay together. Unknown until enough rows finished."""
         if self._out_n < self.min_output_samples:
             return False
-        if self._uniform is None:
-            recent = sorted(self._outputs)
-            self._uniform = recent[int(0.1 * (len(recent) - 1))] >= 0.75 * recent[int(0.9 * (len(recent) - 1))]
-        return self._uniform
+        p10, p90, _ = self._recent()
+        return p10 >= 0.75 * p90
 
     def mean_output(self, max_tokens: int) -> float:
         """Mean output tokens of the recent finished cohort (the same window as the percentiles:
         lengths change from one group of rows to the next); max_tokens until enough rows finished."""
         if self._out_n < self.min_output_samples:
             return max_tokens
-        return sum(self._outputs) / len(self._outputs)
+        return self._recent()[2]
 
     def projected_peak(self, req: Request) -> float:
         """Peak blocks the running requests plus `req` will hold, if each makes a token a step."""
@@ -219,7 +222,7 @@ class KvBudget:
                 self._out_sum += n
                 self._out_n += 1
                 self._outputs.append(n)
-                self._p90 = self._uniform = None
+                self._window = None
                 if len(self._outputs) > 512:
                     del self._outputs[:256]
 

@@ -92,10 +92,10 @@ class VllmEngine(Engine):
         self._deltas: dict[str, tuple[list[str], list[int]]] = {}  # leader id -> text pieces and token ids so far
         self._preempted = 0
         self._last_check = self._last_poll = time.perf_counter()
-        # Where the driver's time goes (stored with the run's stats): waiting on the engine core in
-        # step(), adding requests, and the caller's own work between polls.
         # Where the start went: waiting for vLLM's import, then LLM(...) (engine process, load, compile, graphs).
         self.start = {"import_wait_s": round(t1 - t0, 3), "llm_init_s": round(time.perf_counter() - t1, 3)}
+        # Where the driver's time goes (stored with the run's stats): waiting on the engine core in
+        # step(), adding requests, and the caller's own work between polls.
         self.loop = {"steps": 0, "step_wait_s": 0.0, "add_request_s": 0.0, "between_polls_s": 0.0,
                      "max_in_flight_seen": 0, "in_flight_step_sum": 0, "held_step_sum": 0}
         self.info = EngineInfo(backend="vllm", version=vllm.__version__, kv_total_blocks=self.kv_blocks,
