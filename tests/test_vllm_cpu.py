@@ -168,6 +168,21 @@ def test_real_tight_kv_cache_admits_only_what_fits(make_job, tmp_path, speculati
     assert 0 < kv["start"]["llm_init_s"] <= start and kv["start"]["import_wait_s"] + kv["start"]["llm_init_s"] <= start
 
 
+def test_real_outputs_of_one_length_are_paced(make_job, tmp_path):
+    """Every output cut at 6 tokens (one length) under a cache that cannot hold max_num_seqs
+    requests: after the first 16 rows finish, admissions follow the pace. Every row is stored,
+    nothing is preempted."""
+    engine = {"num_gpu_blocks_override": 40, "max_num_seqs": 32, "speculative": None}
+    job = make_job(rows=64, engine=engine, job={"sampling": {"max_tokens": 6}})
+    result = run_cli("run", "--quiet", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 64
+    preemptions, choice = con.execute("SELECT preemptions, engine_choice_json FROM run_stats").fetchone()
+    kv = json.loads(choice)["engines"][0]
+    assert kv["pace_waits"] > 0 and preemptions == 0 and kv["preemptions_seen"] == 0
+
+
 def test_real_verify_then_distill_a_draft_and_calibrate_with_it(make_job, tmp_path):
     """runner verify compares greedy outputs with and without ngram drafts on real vLLM; a job's
     outputs then train a 2-layer draft that vLLM runs as a calibration candidate."""
