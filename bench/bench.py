@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.procs import install_handlers  # noqa: E402
 from bench.tasks import Task, make_tasks, run_schedule  # noqa: E402
 
 DEFAULT_CASES = ("invoices/tight/135m=plain,sorted,runner_first,runner;invoices/roomy/135m=plain,runner;"
@@ -136,6 +137,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--machine", default=None)
     a = ap.parse_args()
+    install_handlers()  # a stopped bench stops its runs' engine processes too
 
     t0 = time.monotonic()
     tasks = make_tasks(a)

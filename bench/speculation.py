@@ -28,6 +28,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.procs import install_handlers, run_group  # noqa: E402
+
 
 def runner_env(**extra: str) -> dict:
     """The environment of a `runner` child: this checkout first on PYTHONPATH."""
@@ -37,7 +39,7 @@ def runner_env(**extra: str) -> dict:
 
 def runner(*args, check=True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "runner.cli", *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=runner_env())
+    proc = run_group(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=runner_env())
     if check and proc.returncode not in (0, 65):
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return proc
@@ -140,6 +142,7 @@ def main() -> None:
     ap.add_argument("--verify-rows", type=int, default=128, help="held-out rows each verify compares")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    install_handlers()
     if a.job in ("incidents", "invoices"):
         (Path(a.workdir) / a.job).mkdir(parents=True, exist_ok=True)
         job_path = make_workload_job(a.job, Path(a.workdir) / a.job, a.rows, Path(a.config), a.model, a.tight_blocks)

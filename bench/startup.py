@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.procs import install_handlers, run_group  # noqa: E402
 from bench.speculation import runner  # noqa: E402  (the benches' one `runner ...` subprocess helper)
 
 PLAIN = """
@@ -76,7 +77,8 @@ def settings(job_path: str, work: Path) -> list[Path]:
 
 def run_plain(files: list[Path]) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", PLAIN, *map(str, files)], capture_output=True, text=True)
+    proc = run_group([sys.executable, "-c", PLAIN, *map(str, files)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True)
     process_s = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"config": "plain", "error": proc.stderr[-1500:], "process_s": process_s}
@@ -105,6 +107,7 @@ def main() -> None:
     ap.add_argument("--machine", default="this machine")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    install_handlers()
     work = Path(tempfile.mkdtemp(prefix="runner-startup-"))
     files = settings(a.job, work)
     runs = []

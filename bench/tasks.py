@@ -20,6 +20,8 @@ from typing import Callable, Optional
 
 import yaml
 
+from bench.procs import run_group
+
 ROOT = Path(__file__).resolve().parent.parent
 NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 STARTUP_LOG = re.compile(r"took|seconds|secs|torch\.compile|Graph captur|Loading weights|Memory profiling|KV cache|maximum concurrency", re.I)
@@ -212,8 +214,8 @@ def execute(a, t: Task, seeds: dict, env: dict) -> dict:
     cmd = plain_command(a, t, d) if plain else runner_command(a, t, d, seeds)
     t0 = time.perf_counter()
     with open(d / "stderr.log", "w") as err:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(ROOT), env=env,
-                              timeout=a.task_timeout)
+        proc = run_group(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(ROOT), env=env,
+                         timeout=a.task_timeout)
     process_s = time.perf_counter() - t0
     (d / "stdout.log").write_text(proc.stdout)
     log = proc.stdout + (d / "stderr.log").read_text(errors="replace")  # vLLM logs to stdout
