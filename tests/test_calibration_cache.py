@@ -118,8 +118,41 @@ def test_a_first_run_skips_calibration_that_cannot_pay(make_job):
     assert cal["cost_rule"]["measure"] is False and cal["cost_rule"]["cost_s"] == pytest.approx(60.0)
     assert cal["cost_rule"]["rows_left"] == 32 and "engine starts" in cal["skipped"]
     assert s.stats["rows_total"] == 40
-    # Nothing was measured, so nothing is stored: the next run decides by cost again.
-    assert sqlite3.connect(job.database_path).execute("SELECT count(*) FROM calibrations").fetchone()[0] == 0
+    # The decision is stored with the pace the slice measured (0.05 s a row), not as a measured choice.
+    stored = sqlite3.connect(job.database_path).execute(
+        "SELECT chosen_draft_tokens, speculative_json, record_json FROM calibrations").fetchall()
+    assert len(stored) == 1 and stored[0][:2] == (0, None)
+    record = json.loads(stored[0][2])
+    assert record["decided_by"] == "cost_rule" and record["cost_rule"]["per_row_s"] == pytest.approx(0.05)
+
+
+def test_a_later_run_applies_the_stored_cost_rule_without_a_slice(make_job):
+    job = auto_job(make_job)
+    clock, started, factory = harness(start_s=30.0)
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    first = calibration(job.database_path)
+    engines = []
+    s = run_job(job, engine_factory=lambda j: engines.append(factory(j)) or engines[-1], restart=True,
+                clock=lambda: clock.now)
+    again = calibration(job.database_path)
+    assert started == [0, 0] and len(engines) == 1  # one engine this run, without drafts
+    assert engines[0].warmed == [] and "phases" not in again  # no throwaway request, no slice
+    assert again["reused_calibration_id"] == first["calibration_id"] and again["chosen_draft_tokens"] == 0
+    # Every row of this run is left to win on, at the stored pace: still not worth two engine starts.
+    assert again["cost_rule"]["rows_left"] == 40 and again["cost_rule"]["win_s"] == pytest.approx(1.0)
+    assert "engine starts" in again["skipped"] and s.stats["rows_total"] == 40
+    assert sqlite3.connect(job.database_path).execute("SELECT count(*) FROM calibrations").fetchone()[0] == 1
+
+
+def test_a_job_grown_past_the_stored_cost_rule_measures(make_job):
+    """40 rows could not pay for two 30 s engine starts; 4,000 rows at the same pace can (100 s)."""
+    clock, started, factory = harness(start_s=30.0)
+    run_job(auto_job(make_job, rows=40), engine_factory=factory, clock=lambda: clock.now)
+    started.clear()
+    run_job(auto_job(make_job, rows=4000), engine_factory=factory, clock=lambda: clock.now)
+    cal = calibration(auto_job(make_job, rows=4000).database_path)
+    assert started == [0, 4] and cal["cost_rule"]["measure"] is True and cal["chosen_draft_tokens"] == 4
+    assert "reused_calibration_id" not in cal and "calibration_id" in cal
 
 
 def test_a_large_job_pays_for_calibration(make_job):

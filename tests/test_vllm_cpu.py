@@ -100,7 +100,8 @@ def test_real_calibration_is_measured_once_then_reused(make_job, tmp_path):
 
 
 def test_real_first_run_skips_calibration_that_cannot_pay(make_job, tmp_path):
-    """14 rows cannot win back the seconds two more engine starts cost: one engine, nothing stored."""
+    """14 rows cannot win back the seconds two more engine starts cost: one engine; the decision is
+    stored with the pace it measured, and the next run applies it without a slice."""
     job = make_job(rows=14, engine={"speculative": "auto", "calibration": {"rows": 4}})
     result = run_cli("run", "--quiet", job)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -109,7 +110,17 @@ def test_real_first_run_skips_calibration_that_cannot_pay(make_job, tmp_path):
     choice = json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
     rule = choice["speculative_calibration"]["cost_rule"]
     assert rule["measure"] is False and rule["cost_s"] > rule["win_s"] and len(choice["engines"]) == 1
-    assert con.execute("SELECT count(*) FROM calibrations").fetchone()[0] == 0
+    assert rule["per_row_s"] > 0 and len(choice["speculative_calibration"]["phases"]) == 1
+    assert con.execute("SELECT chosen_draft_tokens, speculative_json FROM calibrations").fetchall() == [(0, None)]
+
+    result = run_cli("run", "--quiet", "--restart", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert con.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 14
+    again = json.loads(con.execute("SELECT engine_choice_json FROM run_stats ORDER BY run_id DESC").fetchone()[0])
+    cal = again["speculative_calibration"]
+    assert cal["reused_calibration_id"] == 1 and "phases" not in cal and len(again["engines"]) == 1
+    assert cal["cost_rule"]["rows_left"] == 14 and cal["cost_rule"]["measure"] is False
+    assert con.execute("SELECT count(*) FROM calibrations").fetchone()[0] == 1
 
 
 def test_real_config_only_model_with_dummy_weights(make_job, tmp_path, model_dir):

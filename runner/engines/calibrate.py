@@ -13,7 +13,9 @@ outputs is not measured.
 
 Fixed costs are paid once: a measured choice is stored in the job's database under a key of what
 decides it (runner/fingerprint.py) and a later run with the same key starts one engine. A first
-run measures only when that can pay on its own rows (`_worth_measuring`).
+run measures only when that can pay on its own rows (`_worth_measuring`); when it cannot, that
+decision is stored with the pace its first slice measured, so that later runs apply the rule
+again at that pace, without a slice, and measure only once their rows could pay for it.
 """
 from __future__ import annotations
 
@@ -59,16 +61,23 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
     cached = None if ctx.force else ctx.store.latest_calibration(ctx.key_sha256)
     stale = None
     if cached is not None:
+        pace = _stored_pace(cached)  # a first run's cost rule decided this key: no drafts, by cost
         speculative = json.loads(cached["speculative_json"]) if cached["speculative_json"] else None
         engines.start(with_speculative(job, speculative))
         kv = engines.engine.info.kv_total_blocks
         if cached["kv_total_blocks"] is None or cached["kv_total_blocks"] == kv:
-            return {"chosen_draft_tokens": cached["chosen_draft_tokens"], "chosen": speculative,
-                    "key_sha256": ctx.key_sha256, "reused_calibration_id": cached["id"],
-                    "measured_at_utc": cached["created_at_utc"]}, source
-        stale = f"the engine's KV cache changed from {cached['kv_total_blocks']} to {kv} blocks"
-        if speculative is not None:
-            engines.start(with_speculative(job, None))
+            reused = {"key_sha256": ctx.key_sha256, "reused_calibration_id": cached["id"],
+                      "measured_at_utc": cached["created_at_utc"]}
+            if pace is None:
+                return {"chosen_draft_tokens": cached["chosen_draft_tokens"], "chosen": speculative} | reused, source
+            skip = _skip_by_stored_pace(job, engines, ctx, pace)
+            if skip is not None:
+                return skip | reused, source
+            # This run has more rows than measuring could pay for before: measure, as a first run does.
+        else:
+            stale = f"the engine's KV cache changed from {cached['kv_total_blocks']} to {kv} blocks"
+            if speculative is not None:
+                engines.start(with_speculative(job, None))
     else:
         engines.start(with_speculative(job, None))
     record, source, measured = _measure(job, engines, loop, source, ctx)
@@ -76,6 +85,8 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
     if stale:
         record["remeasured_because"] = stale
     record["calibration_s"] = round(engines.clock() - t0, 3)
+    if measured is None and record.get("decided_by") == "cost_rule":
+        measured = {}  # stored with its pace: later runs decide by cost without a slice
     if measured is not None:
         k = measured["num_speculative_tokens"] if measured else 0
         record["stored_draft_tokens"] = k
@@ -110,13 +121,13 @@ def _measure(job: Job, engines, loop, source: Iterator[Request], ctx: Calibratio
     if taken.short:  # the whole job fit in the first slice: nothing is left to speculate on
         return base | {"chosen_draft_tokens": 0, "skipped": "the job ended within the first slice"}, source, None
     candidates, excluded = _candidates(job, ctx)
-    worth = _worth_measuring(cal, plain, engines.last_start_s, ctx.rows_todo - plain.rows, len(candidates))
+    per_row_s = plain.generation_s / plain.rows if plain.rows else 0.0
+    worth = _worth_measuring(cal, per_row_s, engines.last_start_s, ctx.rows_todo - plain.rows, len(candidates))
     base |= {"cost_rule": worth, "excluded": excluded}
     if not candidates or (not ctx.force and not worth["measure"]):
-        why = ("no candidate passed verification" if not candidates else
-               f"measuring drafts would cost about {worth['cost_s']:.0f} s of engine starts, more than "
-               f"the {worth['win_s']:.0f} s they could save on the {worth['rows_left']} rows left")
-        return base | {"chosen_draft_tokens": 0, "skipped": why}, source, None
+        if candidates:  # decided by cost: stored with the measured pace (calibrate() saves it)
+            base["decided_by"] = "cost_rule"
+        return base | {"chosen_draft_tokens": 0, "skipped": _why_not(worth, candidates)}, source, None
     trials = []
     for c in candidates:
         if taken.short:
@@ -186,16 +197,43 @@ def _candidates(job: Job, ctx: CalibrationContext, gate: bool = True) -> tuple[l
     return out, excluded
 
 
-def _worth_measuring(cal, plain: Phase, start_s: float, rows_left: int, candidates: int = 1) -> dict:
+def _worth_measuring(cal, per_row_s: float, start_s: float, rows_left: int, candidates: int = 1) -> dict:
     """The cost rule of a first run: measuring drafts starts an engine per candidate, then the
     plain one again if drafts lose; it pays only if the best plausible speed-up
-    (calibration.assumed_max_speedup) would save more than that on the rows left."""
-    per_row_s = plain.generation_s / plain.rows if plain.rows else 0.0
+    (calibration.assumed_max_speedup) would save more than that on the rows left, at the pace
+    (seconds of generation a row) measured without drafts."""
     remaining_s = max(rows_left, 0) * per_row_s
     win_s = remaining_s * (1 - 1 / cal.assumed_max_speedup)
     cost_s = (candidates + 1) * start_s
     return {"measure": cost_s < win_s, "cost_s": round(cost_s, 2), "win_s": round(win_s, 2),
-            "rows_left": max(rows_left, 0), "engine_start_s": round(start_s, 2)}
+            "rows_left": max(rows_left, 0), "engine_start_s": round(start_s, 2), "per_row_s": per_row_s}
+
+
+def _why_not(worth: dict, candidates: list) -> str:
+    if not candidates:
+        return "no candidate passed verification"
+    return (f"measuring drafts would cost about {worth['cost_s']:.0f} s of engine starts, more than "
+            f"the {worth['win_s']:.0f} s they could save on the {worth['rows_left']} rows left")
+
+
+def _stored_pace(cached: dict) -> Optional[float]:
+    """Seconds of generation a row, when the stored calibration is a first run's decision by cost
+    (not a measured choice); else None."""
+    record = json.loads(cached.get("record_json") or "{}")
+    if record.get("decided_by") != "cost_rule":
+        return None
+    return record.get("cost_rule", {}).get("per_row_s")
+
+
+def _skip_by_stored_pace(job: Job, engines, ctx: CalibrationContext, per_row_s: float) -> Optional[dict]:
+    """The cost rule again, at the stored pace, for this run's rows and this engine's start: the
+    record of running without drafts and without a slice, or None when measuring can pay now."""
+    candidates, excluded = _candidates(job, ctx)
+    worth = _worth_measuring(job.engine.calibration, per_row_s, engines.last_start_s, ctx.rows_todo, len(candidates))
+    if candidates and worth["measure"]:
+        return None
+    return {"chosen_draft_tokens": 0, "chosen": None, "cost_rule": worth, "excluded": excluded,
+            "skipped": _why_not(worth, candidates)}
 
 
 class _Taken:
