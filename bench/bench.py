@@ -150,7 +150,9 @@ def main() -> None:
                    "settings": {k: v for k, v in vars(a).items() if k not in ("out",)},
                    "runs": [t.record() for t in tasks]}
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps(doc, indent=1, default=str))
+            part = Path(a.out).with_suffix(".part")  # a bench stopped mid-write keeps the last whole file
+            part.write_text(json.dumps(doc, indent=1, default=str))
+            os.replace(part, a.out)
 
     run_schedule(a, tasks, deadline=(t0 + a.deadline_s) if a.deadline_s else None, on_done=save)
     save()

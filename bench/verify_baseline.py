@@ -26,6 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.procs import finish, install_handlers, spawn  # noqa: E402
 from bench.speculation import make_workload_job, runner_env  # noqa: E402
 
 MODES = {"default": {}, "batch_invariant": {"VLLM_BATCH_INVARIANT": "1"}}
@@ -36,7 +37,7 @@ def start(mode: str, job: Path, rows: int, gpu: str | None) -> tuple[subprocess.
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     cmd = [sys.executable, "-m", "runner.cli", "verify", "--baseline", "--rows", str(rows), str(job)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), time.monotonic()
+    return spawn(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), time.monotonic()
 
 
 def stored(job: Path) -> dict:
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--machine", default="this machine")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    install_handlers()
 
     modes = a.modes.split(",")
     gpus = a.gpus.split(",") if a.gpus else [None] * len(modes)
@@ -75,7 +77,7 @@ def main() -> None:
         procs[mode] = (job, *start(mode, job, a.rows, gpu))
     results = {}
     for mode, (job, proc, t0) in procs.items():
-        out, err = proc.communicate()
+        out, err = finish(proc)
         results[mode] = {"process_s": round(time.monotonic() - t0, 1), "returncode": proc.returncode,
                          "output": out[-3000:], "error": err[-3000:]}
         if proc.returncode == 0:

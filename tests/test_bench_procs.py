@@ -3,6 +3,7 @@ engine core holding a GPU's memory made the next run on that GPU fail to start).
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -17,11 +18,11 @@ PARENT = "sleep 300 & echo $! > {pidfile}; wait"
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        # A killed child of an exited parent may linger as a zombie until init reaps it.
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    # A killed child of an exited parent may linger as a zombie until init reaps it.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[1].split()[0] != "Z"
 
 
 def wait_gone(pid: int, seconds: float = 5.0) -> bool:
@@ -63,6 +64,12 @@ def test_a_child_left_behind_by_a_run_that_exited_is_killed(tmp_path):
     assert wait_gone(read_pid(pidfile))
 
 
+@pytest.fixture(autouse=True)
+def not_stopping():
+    yield
+    procs._STOPPING.clear()
+
+
 def test_stopping_the_bench_kills_every_running_group(tmp_path):
     pidfile = tmp_path / "pid"
     runner = threading.Thread(target=lambda: procs.run_group(["sh", "-c", PARENT.format(pidfile=pidfile)]),
@@ -75,3 +82,38 @@ def test_stopping_the_bench_kills_every_running_group(tmp_path):
     assert wait_gone(child)
     runner.join(5)
     assert not runner.is_alive()
+
+
+def test_a_run_started_while_the_bench_stops_is_stopped_at_once(tmp_path):
+    procs._STOPPING.set()
+    done = procs.run_group(["sleep", "300"])  # without the stop: 300 s
+    assert done.returncode in (-signal.SIGTERM, -signal.SIGKILL)
+
+
+BENCH = """
+import sys, time
+sys.path.insert(0, {root!r})
+from bench import procs
+procs.install_handlers()
+print("ready", flush=True)
+procs.run_group(["sh", "-c", {parent!r}])
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_to_the_bench_stops_its_runs(tmp_path, sig):
+    """A real signal, through the handlers a bench installs: the bench exits as the signal would
+    and the run's child is gone."""
+    from pathlib import Path
+
+    pidfile = tmp_path / "pid"
+    script = BENCH.format(root=str(Path(__file__).resolve().parents[1]), parent=PARENT.format(pidfile=pidfile))
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert bench.stdout.readline().strip() == "ready"
+        child = read_pid(pidfile)
+        bench.send_signal(sig)
+        assert bench.wait(timeout=30) == 128 + sig
+        assert wait_gone(child)
+    finally:
+        bench.kill()
