@@ -60,6 +60,24 @@ def ratios(tasks: list[Task], case: str, num: str, den: str, field: str, invert:
     return median_range(out)
 
 
+# The issue's keys: name -> (case, numerator config, denominator config, field, invert for times)
+RATIO_KEYS = {
+    "tight_wall_speedup": ("invoices/tight/135m", "runner", "plain", "process_s", True),
+    "tight_wall_speedup_vs_sorted": ("invoices/tight/135m", "runner", "sorted", "process_s", True),
+    "first_run_tight_wall_speedup": ("invoices/tight/135m", "runner_first", "plain", "process_s", True),
+    "tight_gen_speedup": ("invoices/tight/135m", "runner", "plain", "documents_per_s", False),
+    "roomy_wall_speedup": ("invoices/roomy/135m", "runner", "plain", "process_s", True),
+    "roomy_gen_speedup": ("invoices/roomy/135m", "runner", "plain", "documents_per_s", False),
+    "incidents_tight_wall_speedup": ("incidents/tight/135m", "runner", "plain", "process_s", True),
+    "incidents_tight_wall_speedup_vs_sorted": ("incidents/tight/135m", "runner", "sorted", "process_s", True),
+    "tight_wall_speedup_8b": ("invoices/tight/8b", "runner", "plain", "process_s", True),
+    "tight_wall_speedup_8b_vs_sorted": ("invoices/tight/8b", "runner", "sorted", "process_s", True),
+    "tight_gen_speedup_8b_vs_sorted": ("invoices/tight/8b", "runner", "sorted", "documents_per_s", False),
+    "two_replica_wall_speedup": ("invoices/roomy/135m", "ray2", "ray1", "process_s", True),
+    "two_replica_gen_speedup": ("invoices/roomy/135m", "ray2", "ray1", "documents_per_s", False),
+}
+
+
 def summarize(tasks: list[Task]) -> dict:
     """The issue's keys (medians of per-round ratios) and every case's per-configuration medians."""
     cases: dict = {}
@@ -71,23 +89,8 @@ def summarize(tasks: list[Task]) -> dict:
                 c[k].append(t.result.get(k))
     per_case = {case: {cfg: {k: median_range(v) for k, v in fields.items()} for cfg, fields in configs.items()}
                 for case, configs in cases.items()}
-    keys = {
-        "tight_wall_speedup": ("invoices/tight/135m", "runner", "plain", "process_s", True),
-        "tight_wall_speedup_vs_sorted": ("invoices/tight/135m", "runner", "sorted", "process_s", True),
-        "first_run_tight_wall_speedup": ("invoices/tight/135m", "runner_first", "plain", "process_s", True),
-        "tight_gen_speedup": ("invoices/tight/135m", "runner", "plain", "documents_per_s", False),
-        "roomy_wall_speedup": ("invoices/roomy/135m", "runner", "plain", "process_s", True),
-        "roomy_gen_speedup": ("invoices/roomy/135m", "runner", "plain", "documents_per_s", False),
-        "incidents_tight_wall_speedup": ("incidents/tight/135m", "runner", "plain", "process_s", True),
-        "incidents_tight_wall_speedup_vs_sorted": ("incidents/tight/135m", "runner", "sorted", "process_s", True),
-        "tight_wall_speedup_8b": ("invoices/tight/8b", "runner", "plain", "process_s", True),
-        "tight_wall_speedup_8b_vs_sorted": ("invoices/tight/8b", "runner", "sorted", "process_s", True),
-        "tight_gen_speedup_8b_vs_sorted": ("invoices/tight/8b", "runner", "sorted", "documents_per_s", False),
-        "two_replica_wall_speedup": ("invoices/roomy/135m", "ray2", "ray1", "process_s", True),
-        "two_replica_gen_speedup": ("invoices/roomy/135m", "ray2", "ray1", "documents_per_s", False),
-    }
     out = {}
-    for name, (case, num, den, field, invert) in keys.items():
+    for name, (case, num, den, field, invert) in RATIO_KEYS.items():
         case_tasks = [t for t in tasks if t.case == case]
         r = ratios(case_tasks, case, num, den, field, invert) if case_tasks else median_range([])
         out[name] = r["median"]

@@ -18,23 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench import ratios, summarize  # noqa: E402
+from bench.bench import RATIO_KEYS, ratios, summarize  # noqa: E402
 from bench.tasks import Task  # noqa: E402
 
 KEYS = ("tight_wall_speedup", "tight_wall_speedup_vs_sorted", "first_run_tight_wall_speedup", "roomy_wall_speedup",
         "tight_wall_speedup_8b", "tight_wall_speedup_8b_vs_sorted", "tight_gen_speedup_8b_vs_sorted",
-        "two_replica_wall_speedup")
-# key -> (case, numerator config, denominator config, field, invert): as bench.summarize computes them
-SPEC = {
-    "tight_wall_speedup": ("invoices/tight/135m", "runner", "plain", "process_s", True),
-    "tight_wall_speedup_vs_sorted": ("invoices/tight/135m", "runner", "sorted", "process_s", True),
-    "first_run_tight_wall_speedup": ("invoices/tight/135m", "runner_first", "plain", "process_s", True),
-    "roomy_wall_speedup": ("invoices/roomy/135m", "runner", "plain", "process_s", True),
-    "tight_wall_speedup_8b": ("invoices/tight/8b", "runner", "plain", "process_s", True),
-    "tight_wall_speedup_8b_vs_sorted": ("invoices/tight/8b", "runner", "sorted", "process_s", True),
-    "tight_gen_speedup_8b_vs_sorted": ("invoices/tight/8b", "runner", "sorted", "documents_per_s", False),
-    "two_replica_wall_speedup": ("invoices/roomy/135m", "ray2", "ray1", "process_s", True),
-}
+        "two_replica_wall_speedup")  # printed, in this order
 
 
 def load_tasks(files: list[Path], first_round: int = 1) -> list[Task]:
@@ -51,7 +40,7 @@ def load_tasks(files: list[Path], first_round: int = 1) -> list[Task]:
 def ranges(tasks: list[Task]) -> dict:
     """Each key's per-round ratios over these tasks: [median, min, max, n]; keys with no pair left out."""
     out = {}
-    for key, (case, num, den, field, invert) in SPEC.items():
+    for key, (case, num, den, field, invert) in RATIO_KEYS.items():
         r = ratios([t for t in tasks if t.case == case], case, num, den, field, invert)
         if r["n"]:
             out[key] = [r["median"], r["min"], r["max"], r["n"]]
