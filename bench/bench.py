@@ -8,6 +8,8 @@ reading and writing included):
   runner        `runner run --quiet` with the calibration a first run stored (a nightly job's next night)
   runner_first  `runner run --quiet` on a fresh database: calibration included
   ray1, ray2    the runner with `executor: ray`, 1 or 2 replicas of one GPU each
+  ray1ip, ...   the same with each replica's vLLM engine core in the actor's process (ip) or in a
+                process of its own (mp: vLLM spawns it inside a Ray actor, importing vLLM again)
   spec_off, no_warm, peaks_only, no_grouping, spec_kN   the runner with one setting changed
 
 A case is WORKLOAD/REGIME/MODEL=CONFIGS[@ROUNDS], e.g. `invoices/tight/135m=plain,sorted,runner`.

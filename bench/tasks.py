@@ -79,7 +79,7 @@ def make_tasks(a) -> list[Task]:
                 tasks += [Task(case, c, r) for c in configs]
         for case, configs, cap in parse_cases(a.multi):
             if r <= min(cap or a.multi_repeats, a.multi_repeats):
-                tasks += [Task(case, c, r, gpus=2 if c == "ray2" else 1) for c in configs]
+                tasks += [Task(case, c, r, gpus=2 if c.startswith("ray2") else 1) for c in configs]
     return tasks
 
 
@@ -154,6 +154,12 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),
     }
+    # rayNip / rayNmp: replicas whose vLLM engine core runs in the actor's process, or in a process
+    # of its own (which vLLM spawns inside a Ray actor: a second import of vLLM and torch).
+    for n in (1, 2):
+        for suffix, inproc in (("ip", True), ("mp", False)):
+            engine, job = variants[f"ray{n}"]
+            variants[f"ray{n}{suffix}"] = (engine | {"in_process": inproc}, job)
     if name.startswith("vq"):  # vLLM's own admission and preemption, at most N requests queued: vq192
         return {"speculative": None, "kv_admission": False, "max_in_flight": int(name[2:])}, {}
     if name.startswith("spec_k"):

@@ -65,6 +65,9 @@ class RaySpec(Strict):
     object_store_memory_bytes: int = Field(default=512 << 20, ge=64 << 20)
     group_chunk_rows: int = Field(default=512, ge=1, description="rows of one group sent to a replica before it may move")
     env: dict[str, str] = Field(default={}, description="environment variables for the replicas")
+    engine_in_process: bool = Field(default=True, description=(
+        "replicas run vLLM's engine core in the actor's own process: in a Ray actor vLLM starts it "
+        "with spawn, which imports vLLM and torch a second time (measured: +15-20 s a start)"))
 
 
 class JobFile(Strict):

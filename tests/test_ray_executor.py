@@ -3,6 +3,7 @@ resume), and a real local Ray cluster with one real vLLM replica whose results e
 executor's. Every real Ray run has a hard timeout: Ray can hang silently on a small machine."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -61,6 +62,18 @@ def test_replicas_each_get_whole_groups_and_every_row_once(make_job, tmp_path):
     assert s.stats["prefix_cache_hits"] > 0  # counters come back from every replica
 
 
+@pytest.mark.parametrize("setting, expected", [(None, True), (False, False)])
+def test_replicas_run_the_engine_core_in_their_own_process_by_default(make_job, setting, expected):
+    """In a Ray actor vLLM would spawn its engine core and import itself again: replicas keep it in
+    the actor's process unless ray.engine_in_process is false (then the engine config decides)."""
+    ray = {"replicas": 1} | ({} if setting is None else {"engine_in_process": setting})
+    job = load_job(make_job(rows=3, engine={"in_process": False}, job={"ray": ray}))
+    seen = []
+    factory = lambda j: seen.append(j.engine.in_process) or FakeEngine(SCHEMA)  # noqa: E731
+    run_job(job, engine_factory=lambda j: RayEngine(j, factory, cluster=LocalCluster()))
+    assert seen == [expected]
+
+
 def test_resume_through_replicas_runs_only_what_is_missing(make_job, tmp_path):
     path = make_job(rows=12, job={"ray": {"replicas": 2}})
     run_job(load_job(path), engine_factory=Replicas().engine)
@@ -97,7 +110,11 @@ def test_ray_executor_results_equal_the_local_executor(make_job, tmp_path):
                    job={"ray": {"replicas": 1, "gpus_per_replica": 0, "cpus_per_replica": 1}})
     spec = yaml.safe_load(job.read_text())
     ray_job = tmp_path / "ray.yaml"
-    ray_job.write_text(yaml.safe_dump(spec | {"name": "t-ray", "output": {"database": "out/ray.sqlite"}}))
+    # The engine config asks for an engine-core process of its own; the replica keeps it in the
+    # actor's process (ray.engine_in_process, the default), as the stored settings show below.
+    ray_spec = spec | {"name": "t-ray", "output": {"database": "out/ray.sqlite"}}
+    ray_spec["engine"] = ray_spec["engine"] | {"in_process": False}
+    ray_job.write_text(yaml.safe_dump(ray_spec))
 
     rc, _, err = run_bounded(["run", "--quiet", job])
     assert rc == 0, err[-2000:]
@@ -112,6 +129,7 @@ def test_ray_executor_results_equal_the_local_executor(make_job, tmp_path):
     assert remote == local
     backend, settings = con.execute("SELECT engine_backend, engine_settings_json FROM runs").fetchone()
     assert backend == "vllm+ray" and '"replicas": 1' in settings
+    assert json.loads(settings)["engine_core"] == "in this process"
     st = con.execute("SELECT rows_total, prefix_cache_hits, completion_tokens FROM run_stats").fetchone()
     assert st[0] == 6 and st[1] > 0 and st[2] > 0  # counters come back from the replica
     # Resume works the same: a rerun finds every row done.

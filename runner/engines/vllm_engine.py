@@ -100,7 +100,8 @@ class VllmEngine(Engine):
                      "max_in_flight_seen": 0, "in_flight_step_sum": 0, "held_step_sum": 0}
         self.info = EngineInfo(backend="vllm", version=vllm.__version__, kv_total_blocks=self.kv_blocks,
                                settings={k: v for k, v in kw.items() if k != "model"}
-                               | {"max_in_flight": max_in_flight, "warm_prefix": cfg.warm_prefix})
+                               | {"max_in_flight": max_in_flight, "warm_prefix": cfg.warm_prefix,
+                                  "engine_core": "in this process" if cfg.in_process else "own process"})
 
     def _sampling_params(self, max_tokens: int, leader: bool = False, retry: bool = False):
         """Shared params per budget. Only final outputs come back (as in LLM.generate): building
