@@ -159,7 +159,8 @@ def runner_variant(name: str) -> tuple[dict, dict]:
     for n in (1, 2):
         for suffix, inproc in (("ip", True), ("mp", False)):
             engine, job = variants[f"ray{n}"]
-            variants[f"ray{n}{suffix}"] = (engine | {"in_process": inproc}, job)
+            variants[f"ray{n}{suffix}"] = (engine | {"in_process": inproc},
+                                           job | {"ray": job["ray"] | {"engine_in_process": inproc}})
     if name.startswith("vq"):  # vLLM's own admission and preemption, at most N requests queued: vq192
         return {"speculative": None, "kv_admission": False, "max_in_flight": int(name[2:])}, {}
     if name.startswith("spec_k"):

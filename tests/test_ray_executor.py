@@ -62,10 +62,10 @@ def test_replicas_each_get_whole_groups_and_every_row_once(make_job, tmp_path):
     assert s.stats["prefix_cache_hits"] > 0  # counters come back from every replica
 
 
-@pytest.mark.parametrize("setting, expected", [(None, True), (False, False)])
-def test_replicas_run_the_engine_core_in_their_own_process_by_default(make_job, setting, expected):
-    """In a Ray actor vLLM would spawn its engine core and import itself again: replicas keep it in
-    the actor's process unless ray.engine_in_process is false (then the engine config decides)."""
+@pytest.mark.parametrize("setting, expected", [(None, False), (False, False), (True, True)])
+def test_ray_engine_in_process_keeps_the_engine_core_in_the_actor(make_job, setting, expected):
+    """In a Ray actor vLLM would spawn its engine core and import itself again: with
+    ray.engine_in_process the replica keeps it in the actor's process; off, the engine config decides."""
     ray = {"replicas": 1} | ({} if setting is None else {"engine_in_process": setting})
     job = load_job(make_job(rows=3, engine={"in_process": False}, job={"ray": ray}))
     seen = []
@@ -110,10 +110,11 @@ def test_ray_executor_results_equal_the_local_executor(make_job, tmp_path):
                    job={"ray": {"replicas": 1, "gpus_per_replica": 0, "cpus_per_replica": 1}})
     spec = yaml.safe_load(job.read_text())
     ray_job = tmp_path / "ray.yaml"
-    # The engine config asks for an engine-core process of its own; the replica keeps it in the
-    # actor's process (ray.engine_in_process, the default), as the stored settings show below.
+    # The engine config asks for an engine-core process of its own; ray.engine_in_process keeps it
+    # in the actor's process, as the stored settings show below.
     ray_spec = spec | {"name": "t-ray", "output": {"database": "out/ray.sqlite"}}
     ray_spec["engine"] = ray_spec["engine"] | {"in_process": False}
+    ray_spec["ray"] = ray_spec["ray"] | {"engine_in_process": True}
     ray_job.write_text(yaml.safe_dump(ray_spec))
 
     rc, _, err = run_bounded(["run", "--quiet", job])
@@ -129,7 +130,7 @@ def test_ray_executor_results_equal_the_local_executor(make_job, tmp_path):
     assert remote == local
     backend, settings = con.execute("SELECT engine_backend, engine_settings_json FROM runs").fetchone()
     assert backend == "vllm+ray" and '"replicas": 1' in settings
-    assert json.loads(settings)["engine_core"] == "in this process"
+    assert json.loads(settings)["engine_core"] == "InprocClient"
     st = con.execute("SELECT rows_total, prefix_cache_hits, completion_tokens FROM run_stats").fetchone()
     assert st[0] == 6 and st[1] > 0 and st[2] > 0  # counters come back from the replica
     # Resume works the same: a rerun finds every row done.

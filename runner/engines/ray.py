@@ -56,8 +56,8 @@ class EngineReplica:
     def __init__(self, factory: Callable[[Any], Engine], job):
         if job.spec.ray.engine_in_process:
             # In a Ray actor vLLM spawns its engine-core process (fork is unsafe there), and that
-            # process imports vLLM and torch again: 15-20 s a start. Each replica is an actor of its
-            # own, so one engine a process holds, calibration's engines included.
+            # process imports vLLM and torch again. Every engine gets a new actor (calibration's
+            # too), so an actor's process holds one engine.
             job = job.model_copy(update={"engine": job.engine.model_copy(update={"in_process": True})})
         self.engine = factory(job)
 

@@ -101,7 +101,8 @@ class VllmEngine(Engine):
         self.info = EngineInfo(backend="vllm", version=vllm.__version__, kv_total_blocks=self.kv_blocks,
                                settings={k: v for k, v in kw.items() if k != "model"}
                                | {"max_in_flight": max_in_flight, "warm_prefix": cfg.warm_prefix,
-                                  "engine_core": "in this process" if cfg.in_process else "own process"})
+                                  # what vLLM actually ran: InprocClient or SyncMPClient (a process of its own)
+                                  "engine_core": type(getattr(self._core, "engine_core", None)).__name__})
 
     def _sampling_params(self, max_tokens: int, leader: bool = False, retry: bool = False):
         """Shared params per budget. Only final outputs come back (as in LLM.generate): building
