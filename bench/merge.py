@@ -21,10 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench import RATIO_KEYS, ratios, summarize  # noqa: E402
 from bench.tasks import Task  # noqa: E402
 
-KEYS = ("tight_wall_speedup", "tight_wall_speedup_vs_sorted", "first_run_tight_wall_speedup", "roomy_wall_speedup",
-        "tight_wall_speedup_8b", "tight_wall_speedup_8b_vs_sorted", "tight_gen_speedup_8b_vs_sorted",
-        "two_replica_wall_speedup")  # printed, in this order
-
 
 def load_tasks(files: list[Path], first_round: int = 1) -> list[Task]:
     """Tasks from results files; rounds renumbered from first_round when it is not 1."""
@@ -77,7 +73,7 @@ def main() -> None:
             "commit": a.commit or first.get("commit")}
     doc = head | merge(a.files, a.extra, a.warm_from) | {"notes": a.note}
     a.out.write_text(json.dumps(doc, indent=1))
-    for key in KEYS:
+    for key in RATIO_KEYS:
         if key in doc:
             print(f"{key:<34} {doc[key]} {doc.get(key + '_range')}  warm {doc['warm_rounds_only'].get(key)}")
 

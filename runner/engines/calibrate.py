@@ -126,11 +126,9 @@ def _measure(job: Job, engines, loop, source: Iterator[Request], ctx: Calibratio
     worth = _worth_measuring(cal, per_row_s, engines.last_start_s, ctx.rows_todo - plain.rows, len(candidates))
     base |= {"cost_rule": worth, "excluded": excluded}
     if not candidates or (not ctx.force and not worth["measure"]):
-        if not candidates:
-            return base | {"chosen_draft_tokens": 0, "skipped": _why_not(worth, candidates)}, source, None
+        rec = _without_drafts(worth, candidates)
         # Decided by cost: stored (no drafts) with the pace measured, for later runs to decide by.
-        return base | {"chosen_draft_tokens": 0, "decided_by": "cost_rule", "skipped": _why_not(worth, candidates)}, \
-            source, {}
+        return base | rec, source, ({} if "decided_by" in rec else None)
     trials = []
     for c in candidates:
         if taken.short:
@@ -213,11 +211,14 @@ def _worth_measuring(cal, per_row_s: float, start_s: float, rows_left: int, cand
             "rows_left": max(rows_left, 0), "engine_start_s": round(start_s, 2), "per_row_s": per_row_s}
 
 
-def _why_not(worth: dict, candidates: list) -> str:
+def _without_drafts(worth: dict, candidates: list) -> dict:
+    """The record of running without drafts: no candidate passed verification, or (decided_by
+    cost_rule) measuring them cannot pay."""
     if not candidates:
-        return "no candidate passed verification"
-    return (f"measuring drafts would cost about {worth['cost_s']:.0f} s of engine starts, more than "
-            f"the {worth['win_s']:.0f} s they could save on the {worth['rows_left']} rows left")
+        return {"chosen_draft_tokens": 0, "skipped": "no candidate passed verification"}
+    return {"chosen_draft_tokens": 0, "decided_by": "cost_rule",
+            "skipped": f"measuring drafts would cost about {worth['cost_s']:.0f} s of engine starts, more than "
+                       f"the {worth['win_s']:.0f} s they could save on the {worth['rows_left']} rows left"}
 
 
 def _stored_pace(cached: dict) -> Optional[float]:
@@ -239,9 +240,7 @@ def _skip_by_stored_pace(job: Job, engines, ctx: CalibrationContext, per_row_s: 
     worth = _worth_measuring(cal, per_row_s, engines.last_start_s, ctx.rows_todo - cal.rows, len(candidates))
     if candidates and worth["measure"]:
         return None
-    record = {"chosen_draft_tokens": 0, "chosen": None, "cost_rule": worth, "excluded": excluded,
-              "skipped": _why_not(worth, candidates)}
-    return record | ({"decided_by": "cost_rule"} if candidates else {})
+    return {"chosen": None, "cost_rule": worth, "excluded": excluded} | _without_drafts(worth, candidates)
 
 
 class _Taken:
