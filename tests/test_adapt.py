@@ -340,3 +340,33 @@ def test_a_job_that_fits_in_the_first_slice_starts_one_engine(make_job):
         "SELECT engine_choice_json FROM run_stats").fetchone()[0])["speculative_calibration"]
     assert started == [None] and s.stats["rows_total"] == 5
     assert cal["chosen_draft_tokens"] == 0 and "first slice" in cal["skipped"]
+
+
+def test_admissions_refused_for_room_do_not_pile_up_into_a_wave():
+    """Paced, with the cache full: the pace keeps accruing while the fit tests refuse. When room
+    frees at once (a wave finishes), the requests that go in together are one pace's worth, not
+    everything the bucket would have saved meanwhile: a burst admitted together peaks together."""
+    b = KvBudget(total_blocks=400, block_tokens=16, max_running=256, min_output_samples=4)
+    for _ in range(4):  # four equal outputs: uniform, so the pace applies
+        t = b.admit(req(prompt=150, max_tokens=128))
+        b.submitted(t)
+        b.release(t, 128)
+    running = []
+    while b.can_admit(req(prompt=150, max_tokens=128)):
+        running.append(b.admit(req(prompt=150, max_tokens=128)))
+        b.submitted(running[-1])
+        for _ in range(8):
+            b.tick()
+    refused_for_room = 0
+    for _ in range(200):  # the pace would have refilled its whole bucket many times over
+        b.tick()
+        if not b.can_admit(req(prompt=150, max_tokens=128)) and b._bucket is not None and b._bucket >= 1:
+            refused_for_room += 1
+    assert refused_for_room > 0
+    for t in running:  # the whole wave finishes
+        b.release(t, 128)
+    together = 0
+    while b.can_admit(req(prompt=150, max_tokens=128)):
+        b.submitted(b.admit(req(prompt=150, max_tokens=128)))
+        together += 1
+    assert together == 1
