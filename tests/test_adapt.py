@@ -370,3 +370,19 @@ def test_admissions_refused_for_room_do_not_pile_up_into_a_wave():
         b.submitted(b.admit(req(prompt=150, max_tokens=128)))
         together += 1
     assert together == 1
+
+
+def test_blocks_held_counts_what_sent_requests_hold_now():
+    """Unshared prompt plus the tokens made so far (one a step since the request was sent), in
+    whole blocks, plus each group's prefix once; admitted requests not sent yet hold nothing."""
+    b = KvBudget(total_blocks=1000, block_tokens=16)
+    a1 = b.admit(req(prompt=100, cacheable=64))  # group "g", 36 unshared tokens
+    a2 = b.admit(req(prompt=100, cacheable=64))
+    b.admit(req(prompt=100, cacheable=64))  # admitted, not sent
+    b.submitted(a1)
+    for _ in range(10):
+        b.tick()
+    b.submitted(a2)
+    for _ in range(3):
+        b.tick()
+    assert b.blocks_held() == math.ceil((36 + 13) / 16) + math.ceil((36 + 3) / 16) + 64 // 16

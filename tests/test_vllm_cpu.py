@@ -178,6 +178,10 @@ def test_real_tight_kv_cache_admits_only_what_fits(make_job, tmp_path, speculati
         assert kv["admitted_by_projection"] > 0  # requests the sum of peaks would have held back
     # How full the engine was kept: on average at least one request in flight, never more than admitted.
     assert 1 <= kv["loop"]["mean_in_flight"] <= kv["max_admitted"] and kv["loop"]["mean_held"] >= 0
+    # vLLM's KV usage, read with the metrics scan while requests ran, beside the runner's own count.
+    loop = kv["loop"]
+    assert loop["kv_samples"] > 0 and 0 < loop["mean_kv_usage"] <= loop["kv_usage_max"] <= 1
+    assert 0 < loop["mean_kv_counted"] <= 1
     start = json.loads(choice)["engine_starts_s"][0]  # the engine's start, split: import wait + LLM(...)
     assert 0 < kv["start"]["llm_init_s"] <= start and kv["start"]["import_wait_s"] + kv["start"]["llm_init_s"] <= start
 

@@ -236,6 +236,16 @@ class KvBudget:
         """The request went to the engine now (a group's followers wait for their leader first)."""
         self.tickets[ticket].step = self.step
 
+    def blocks_held(self) -> int:
+        """Blocks the sent requests hold now by this budget's count (their unshared prompt and the
+        tokens made so far, one a step), plus the prefixes of their groups: to set beside vLLM's usage."""
+        held = 0
+        for t in self.tickets.values():
+            if t.step is not None:
+                made = min(self.step - t.step, self.output_estimate(t.max_tokens))
+                held += math.ceil((t.unshared_tokens + made) / self.block_tokens)
+        return held + self._held_prefix
+
     def tick(self) -> None:
         """The engine made one step."""
         self.step += 1

@@ -97,7 +97,10 @@ class VllmEngine(Engine):
         # Where the driver's time goes (stored with the run's stats): waiting on the engine core in
         # step(), adding requests, and the caller's own work between polls.
         self.loop = {"steps": 0, "step_wait_s": 0.0, "add_request_s": 0.0, "between_polls_s": 0.0,
-                     "max_in_flight_seen": 0, "in_flight_step_sum": 0, "held_step_sum": 0}
+                     "max_in_flight_seen": 0, "in_flight_step_sum": 0, "held_step_sum": 0,
+                     # vLLM's KV usage against the runner's own count, sampled with the metrics scan
+                     # while requests are in flight: how much of the cache admission leaves unused
+                     "kv_samples": 0, "kv_usage_sum": 0.0, "kv_usage_max": 0.0, "kv_counted_sum": 0.0}
         self.info = EngineInfo(backend="vllm", version=vllm.__version__, kv_total_blocks=self.kv_blocks,
                                settings={k: v for k, v in kw.items() if k != "model"}
                                | {"max_in_flight": max_in_flight, "warm_prefix": cfg.warm_prefix,
@@ -204,10 +207,17 @@ class VllmEngine(Engine):
         if self.budget.budget is None or time.perf_counter() - self._last_check < PREEMPTION_CHECK_S:
             return
         self._last_check = time.perf_counter()
-        seen = self.counters().preemptions
+        metrics = self.llm.get_metrics()
+        seen = self._totals(metrics).preemptions
         if seen > self._preempted:
             self.budget.on_preemption()
         self._preempted = seen
+        usage = next((m.value for m in metrics if m.name == "vllm:kv_cache_usage_perc"), None)
+        if isinstance(usage, (int, float)) and self.feed.in_flight and self.budget.total_blocks:
+            self.loop["kv_samples"] += 1
+            self.loop["kv_usage_sum"] += usage
+            self.loop["kv_usage_max"] = max(self.loop["kv_usage_max"], usage)
+            self.loop["kv_counted_sum"] += self.budget.blocks_held() / self.budget.total_blocks
 
     @staticmethod
     def _completion(req: Request, out, t0: float, streamed: Optional[tuple[list[str], list[int]]] = None) -> Completion:
@@ -240,8 +250,12 @@ class VllmEngine(Engine):
         return min(self.cfg.max_num_seqs, fit or self.cfg.max_num_seqs)
 
     def counters(self) -> EngineCounters:
+        return self._totals(self.llm.get_metrics())
+
+    @staticmethod
+    def _totals(metrics) -> EngineCounters:
         totals = EngineCounters()
-        for m in self.llm.get_metrics():
+        for m in metrics:
             name = _COUNTERS.get(m.name)
             value = getattr(m, "value", None)
             if name and isinstance(value, (int, float)):
@@ -256,8 +270,12 @@ class VllmEngine(Engine):
         """What the engine adapted while running (KV admission), and where the driver's time went."""
         loop = {k: round(v, 3) if isinstance(v, float) else v for k, v in self.loop.items()}
         steps = max(self.loop["steps"], 1)
+        n = loop["kv_samples"]  # 0: no KV budget, or no scan while requests were in flight
+        usage, counted = loop.pop("kv_usage_sum"), loop.pop("kv_counted_sum")
         loop |= {"mean_in_flight": round(self.loop["in_flight_step_sum"] / steps, 1),
-                 "mean_held": round(self.loop["held_step_sum"] / steps, 1)}
+                 "mean_held": round(self.loop["held_step_sum"] / steps, 1),
+                 "mean_kv_usage": round(usage / n, 3) if n else None,
+                 "mean_kv_counted": round(counted / n, 3) if n else None}
         return self.budget.describe() | {"start": self.start, "loop": loop}
 
     def close(self) -> None:
