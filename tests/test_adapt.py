@@ -386,3 +386,8 @@ def test_blocks_held_counts_what_sent_requests_hold_now():
     for _ in range(3):
         b.tick()
     assert b.blocks_held() == math.ceil((36 + 13) / 16) + math.ceil((36 + 3) / 16) + 64 // 16
+    for _ in range(100):  # past max_tokens (64): a request holds no more than its longest output
+        b.tick()
+    assert b.blocks_held() == 2 * math.ceil((36 + 64) / 16) + 64 // 16
+    b.max_running = 1  # vLLM runs one; the other sent request waits in its queue, holding nothing
+    assert b.blocks_held() == math.ceil((36 + 64) / 16) + 64 // 16

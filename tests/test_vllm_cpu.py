@@ -181,7 +181,8 @@ def test_real_tight_kv_cache_admits_only_what_fits(make_job, tmp_path, speculati
     # vLLM's KV usage, read with the metrics scan while requests ran, beside the runner's own count.
     loop = kv["loop"]
     assert loop["kv_samples"] > 0 and 0 < loop["mean_kv_usage"] <= loop["kv_usage_max"] <= 1
-    assert 0 < loop["mean_kv_counted"] <= 1
+    # the runner's count assumes a token a step: kept only where the projection is on (no drafts)
+    assert (0 < loop["mean_kv_counted"] <= 1) if speculative is None else loop["mean_kv_counted"] is None
     start = json.loads(choice)["engine_starts_s"][0]  # the engine's start, split: import wait + LLM(...)
     assert 0 < kv["start"]["llm_init_s"] <= start and kv["start"]["import_wait_s"] + kv["start"]["llm_init_s"] <= start
 

@@ -19,8 +19,8 @@ a convoy sized by peaks, never one sized by the average (a request is at its pea
 end). Where the cache binds (it cannot hold max_num_seqs requests at their peaks), admissions
 are therefore spread out at the rate that keeps the cache full in a steady state: room /
 (mean blocks a request holds) / (mean output length) per step, from a small bucket. The bucket
-does not fill while the fit tests refuse: otherwise the admissions saved up while a wave held the
-cache would all go in when it finishes, as a new wave.
+holds at most one admission while the fit tests refuse: otherwise the admissions saved up while a
+wave held the cache would all go in when it finishes, as a new wave.
 """
 from __future__ import annotations
 
@@ -240,9 +240,10 @@ class KvBudget:
         """Blocks the sent requests hold now by this budget's count (their unshared prompt and the
         tokens made so far, one a step), plus the prefixes of their groups: to set beside vLLM's usage."""
         held = 0
-        for t in self.tickets.values():
-            if t.step is not None:
-                made = min(self.step - t.step, self.output_estimate(t.max_tokens))
+        for i, t in enumerate(self.tickets.values()):
+            # beyond max_num_seqs a sent request waits in vLLM's queue, holding nothing (as in projected_peak)
+            if t.step is not None and (self.max_running is None or i < self.max_running):
+                made = min(self.step - t.step, t.max_tokens)
                 held += math.ceil((t.unshared_tokens + made) / self.block_tokens)
         return held + self._held_prefix
 

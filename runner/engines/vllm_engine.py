@@ -91,7 +91,8 @@ class VllmEngine(Engine):
         self._internal: dict[str, str] = {}  # some versions report an internal request id in outputs
         self._deltas: dict[str, tuple[list[str], list[int]]] = {}  # leader id -> text pieces and token ids so far
         self._preempted = 0
-        self._last_check = self._last_poll = time.perf_counter()
+        self._last_poll = time.perf_counter()
+        self._last_check = float("-inf")  # the first step scans the metrics: a short run gets one sample too
         # Where the start went: waiting for vLLM's import, then LLM(...) (engine process, load, compile, graphs).
         self.start = {"import_wait_s": round(t1 - t0, 3), "llm_init_s": round(time.perf_counter() - t1, 3)}
         # Where the driver's time goes (stored with the run's stats): waiting on the engine core in
@@ -180,7 +181,7 @@ class VllmEngine(Engine):
         self.loop["in_flight_step_sum"] += len(self.feed.in_flight)
         self.loop["held_step_sum"] += self.feed.held()
         self.budget.tick()
-        self._check_preemptions()
+        metrics = self._check_preemptions()
         self.loop["step_wait_s"] += time.perf_counter() - t0
         done = []
         for out in outputs:
@@ -200,24 +201,33 @@ class VllmEngine(Engine):
                                  streamed)
             self.feed.finished(rid, c.completion_tokens)
             done.append(c)
+        if metrics is not None:  # after this step's finished requests left, as their blocks did in vLLM
+            self._sample_kv(metrics)
         return done
 
-    def _check_preemptions(self) -> None:
-        """A preemption means what is admitted was too much: the budget shrinks (see admission.py)."""
+    def _check_preemptions(self) -> Optional[list]:
+        """A preemption means what is admitted was too much: the budget shrinks (see admission.py).
+        Returns the metrics it scanned (None: not scanned this step)."""
         if self.budget.budget is None or time.perf_counter() - self._last_check < PREEMPTION_CHECK_S:
-            return
+            return None
         self._last_check = time.perf_counter()
         metrics = self.llm.get_metrics()
         seen = self._totals(metrics).preemptions
         if seen > self._preempted:
             self.budget.on_preemption()
         self._preempted = seen
+        return metrics
+
+    def _sample_kv(self, metrics: list) -> None:
+        """vLLM's KV usage now, beside the budget's own count (which assumes a token a step: with
+        drafts, where the projection is off, the count is not kept)."""
         usage = next((m.value for m in metrics if m.name == "vllm:kv_cache_usage_perc"), None)
         if isinstance(usage, (int, float)) and self.feed.in_flight and self.budget.total_blocks:
             self.loop["kv_samples"] += 1
             self.loop["kv_usage_sum"] += usage
             self.loop["kv_usage_max"] = max(self.loop["kv_usage_max"], usage)
-            self.loop["kv_counted_sum"] += self.budget.blocks_held() / self.budget.total_blocks
+            if self.budget.project:
+                self.loop["kv_counted_sum"] += self.budget.blocks_held() / self.budget.total_blocks
 
     @staticmethod
     def _completion(req: Request, out, t0: float, streamed: Optional[tuple[list[str], list[int]]] = None) -> Completion:
@@ -275,7 +285,7 @@ class VllmEngine(Engine):
         loop |= {"mean_in_flight": round(self.loop["in_flight_step_sum"] / steps, 1),
                  "mean_held": round(self.loop["held_step_sum"] / steps, 1),
                  "mean_kv_usage": round(usage / n, 3) if n else None,
-                 "mean_kv_counted": round(counted / n, 3) if n else None}
+                 "mean_kv_counted": round(counted / n, 3) if n and self.budget.project else None}
         return self.budget.describe() | {"start": self.start, "loop": loop}
 
     def close(self) -> None:
