@@ -391,3 +391,14 @@ def test_blocks_held_counts_what_sent_requests_hold_now():
     assert b.blocks_held() == 2 * math.ceil((36 + 64) / 16) + 64 // 16
     b.max_running = 1  # vLLM runs one; the other sent request waits in its queue, holding nothing
     assert b.blocks_held() == math.ceil((36 + 64) / 16) + 64 // 16
+
+
+def test_describe_reports_the_spread_of_finished_outputs():
+    """Output lengths of the finished cohort as 10th, 50th and 90th percentiles, in whole tokens."""
+    b = KvBudget(total_blocks=1000, block_tokens=16)
+    assert b.describe()["output_tokens_p10_p50_p90"] is None
+    for n in range(1, 101):  # 1..100 tokens, finished in admission order
+        t = b.admit(req())
+        b.submitted(t)
+        b.release(t, n)
+    assert b.describe()["output_tokens_p10_p50_p90"] == [10, 50, 90]

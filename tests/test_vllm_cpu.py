@@ -181,6 +181,8 @@ def test_real_tight_kv_cache_admits_only_what_fits(make_job, tmp_path, speculati
     # vLLM's KV usage, read with the metrics scan while requests ran, beside the runner's own count.
     loop = kv["loop"]
     assert loop["kv_samples"] > 0 and 0 < loop["mean_kv_usage"] <= loop["kv_usage_max"] <= 1
+    p10, p50, p90 = kv["output_tokens_p10_p50_p90"]  # the finished outputs' spread, in tokens
+    assert 0 < p10 <= p50 <= p90
     # the runner's count assumes a token a step: kept only where the projection is on (no drafts)
     assert (0 < loop["mean_kv_counted"] <= 1) if speculative is None else loop["mean_kv_counted"] is None
     start = json.loads(choice)["engine_starts_s"][0]  # the engine's start, split: import wait + LLM(...)

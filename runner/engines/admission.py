@@ -236,6 +236,13 @@ class KvBudget:
         """The request went to the engine now (a group's followers wait for their leader first)."""
         self.tickets[ticket].step = self.step
 
+    def _percentiles(self) -> Optional[list[int]]:
+        """10th, 50th and 90th percentiles of the recent finished cohort (None: none finished yet)."""
+        if not self._outputs:
+            return None
+        recent = sorted(self._outputs)
+        return [recent[int(q * (len(recent) - 1))] for q in (0.1, 0.5, 0.9)]
+
     def blocks_held(self) -> int:
         """Blocks the sent requests hold now by this budget's count (their unshared prompt and the
         tokens made so far, one a step), plus the prefixes of their groups: to set beside vLLM's usage."""
@@ -263,6 +270,8 @@ class KvBudget:
             "kv_budget_blocks": self.budget,
             "kv_block_tokens": self.block_tokens,
             "output_tokens_estimate": (self._out_sum / self._out_n) if self._out_n else None,
+            # the recent cohort's spread: what the projection's 90th percentile stands for
+            "output_tokens_p10_p50_p90": self._percentiles(),
             "preemptions_seen": self.preemptions_seen,
             "admissions_deferred": self.deferred,
             "admitted_by_projection": self.admitted_over_peaks,
