@@ -24,6 +24,8 @@ from bench.procs import run_group
 
 ROOT = Path(__file__).resolve().parent.parent
 NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# vLLM's periodic stats line (every 5 s while it generates): requests running and KV-cache usage
+STATS_LOG = re.compile(r"Running: (\d+) reqs.*?KV cache usage: ([\d.]+)%")
 STARTUP_LOG = re.compile(r"took|seconds|secs|torch\.compile|Graph captur|Loading weights|Memory profiling|KV cache|maximum concurrency", re.I)
 
 
@@ -205,6 +207,13 @@ def runner_result(d: Path) -> dict:
         "engines": [{k: v for k, v in e.items() if k != "settings"} for e in choice.get("engines", [])]}
 
 
+def log_samples(log: str) -> dict:
+    """vLLM's own periodic samples of a run, read from its log the same way for every configuration
+    (plain vLLM reports nothing else while it generates): requests running and KV-cache usage (0-1)."""
+    found = [(int(n), float(u) / 100) for n, u in STATS_LOG.findall(log)]
+    return {"vllm_log_running": [n for n, _ in found], "vllm_log_kv_usage": [u for _, u in found]}
+
+
 def make_seed(d: Path, seed: Path) -> None:
     """A database holding only what a first run stored for later runs: its calibrations."""
     shutil.copy(d / "results.sqlite", seed)
@@ -240,7 +249,8 @@ def execute(a, t: Task, seeds: dict, env: dict) -> dict:
         if t.config == "runner_first" and t.case not in seeds:
             seeds[t.case] = Path(a.workdir) / f"seed-{t.case.replace('/', '-')}.sqlite"
             make_seed(d, seeds[t.case])
-    return r | {"process_s": round(process_s, 2), "wall_documents_per_s": r["rows"] / process_s, "startup_log": startup}
+    return r | log_samples(log) | {"process_s": round(process_s, 2), "wall_documents_per_s": r["rows"] / process_s,
+                                   "startup_log": startup}
 
 
 # -- scheduling -------------------------------------------------------------------------------

@@ -1,0 +1,15 @@
+"""bench/tasks.py: what a benchmark run records from vLLM's own log."""
+from bench.tasks import log_samples
+
+LOG = """INFO 11-30 17:40:01 [core.py:340] init engine took 10.30 s
+(EngineCore pid=5570) INFO 11-30 17:40:09 [loggers.py:259] Engine 000: Avg prompt throughput: 14885.5 tokens/s, \
+Avg generation throughput: 5612.3 tokens/s, Running: 42 reqs, Waiting: 0 reqs, GPU KV cache usage: 81.5%, \
+Prefix cache hit rate: 80.4%
+INFO 11-30 17:40:14 [loggers.py:259] Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: \
+2489.8 tokens/s, Running: 12 reqs, Waiting: 3 reqs, Deferred: 1 reqs, GPU KV cache usage: 100.0%, Prefix cache hit rate: 3.7%
+"""
+
+
+def test_log_samples_reads_running_requests_and_kv_usage_from_every_stats_line():
+    assert log_samples(LOG) == {"vllm_log_running": [42, 12], "vllm_log_kv_usage": [0.815, 1.0]}
+    assert log_samples("no stats here") == {"vllm_log_running": [], "vllm_log_kv_usage": []}
