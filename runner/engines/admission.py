@@ -27,9 +27,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import count
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from runner.engines.base import Request
+
+
+class Spread(NamedTuple):
+    """Recent finished output lengths: percentiles (whole tokens) and mean."""
+
+    p10: int
+    p50: int
+    p90: int
+    mean: float
 
 
 @dataclass
@@ -63,7 +72,7 @@ class KvBudget:
         self._out_sum = 0
         self._out_n = 0
         self._outputs: list[int] = []  # recent output lengths, for the percentile
-        self._window: Optional[tuple[int, int, float]] = None  # (10th, 90th percentile, mean) of _outputs
+        self._window: Optional[Spread] = None  # of _outputs, sorted once per change
         # Short outputs finish first, so the lengths seen so far under-sample long ones. Only a
         # cohort is a fair sample: lengths count once every request admitted before them is done.
         self._finished: dict[int, Optional[int]] = {}  # done, but an earlier ticket is still running
@@ -82,16 +91,21 @@ class KvBudget:
         of the finished cohort (+8)."""
         if self._out_n < self.min_output_samples:
             return max_tokens
-        return min(max_tokens, self._recent()[1] + 8)
+        return min(max_tokens, self._recent().p90 + 8)
 
-    def _recent(self) -> tuple[int, int, float]:
-        """10th and 90th percentiles and mean of the recent output lengths, sorted once per change
-        (admission asks for them on every request it considers)."""
+    def _recent(self) -> Spread:
+        """Percentiles and mean of the recent output lengths, sorted once per change (admission
+        asks for them on every request it considers). Needs at least one finished output."""
         if self._window is None:
             recent = sorted(self._outputs)
-            self._window = (recent[int(0.1 * (len(recent) - 1))], recent[int(0.9 * (len(recent) - 1))],
-                            sum(recent) / len(recent))
+            at = [recent[int(q * (len(recent) - 1))] for q in (0.1, 0.5, 0.9)]
+            self._window = Spread(*at, sum(recent) / len(recent))
         return self._window
+
+    def _running(self, i: int, t: Ticket) -> bool:
+        """Ticket number i of those in flight runs in vLLM: sent, and within max_num_seqs (beyond it
+        a sent request waits in vLLM's queue, holding no blocks and making no tokens)."""
+        return t.step is not None and (self.max_running is None or i < self.max_running)
 
     def need(self, req: Request) -> int:
         """Blocks this request may occupy at its peak beyond the shared prefix it finds in the cache."""
@@ -159,23 +173,22 @@ class KvBudget:
         case in which admitted waves stay together. Unknown until enough rows finished."""
         if self._out_n < self.min_output_samples:
             return False
-        p10, p90, _ = self._recent()
-        return p10 >= 0.75 * p90
+        spread = self._recent()
+        return spread.p10 >= 0.75 * spread.p90
 
     def mean_output(self, max_tokens: int) -> float:
         """Mean output tokens of the recent finished cohort (the same window as the percentiles:
         lengths change from one group of rows to the next); max_tokens until enough rows finished."""
         if self._out_n < self.min_output_samples:
             return max_tokens
-        return self._recent()[2]
+        return self._recent().mean
 
     def projected_peak(self, req: Request) -> float:
         """Peak blocks the running requests plus `req` will hold, if each makes a token a step."""
         bt = self.block_tokens
         items = []  # (steps left, tokens now)
         for i, t in enumerate(self.tickets.values()):
-            running = t.step is not None and (self.max_running is None or i < self.max_running)
-            age = self.step - t.step if running else 0
+            age = self.step - t.step if self._running(i, t) else 0
             length = self.output_estimate(t.max_tokens)
             if age >= length:  # longer than planned: it may run to max_tokens
                 length = t.max_tokens
@@ -236,20 +249,12 @@ class KvBudget:
         """The request went to the engine now (a group's followers wait for their leader first)."""
         self.tickets[ticket].step = self.step
 
-    def _percentiles(self) -> Optional[list[int]]:
-        """10th, 50th and 90th percentiles of the recent finished cohort (None: none finished yet)."""
-        if not self._outputs:
-            return None
-        recent = sorted(self._outputs)
-        return [recent[int(q * (len(recent) - 1))] for q in (0.1, 0.5, 0.9)]
-
     def blocks_held(self) -> int:
         """Blocks the sent requests hold now by this budget's count (their unshared prompt and the
         tokens made so far, one a step), plus the prefixes of their groups: to set beside vLLM's usage."""
         held = 0
         for i, t in enumerate(self.tickets.values()):
-            # beyond max_num_seqs a sent request waits in vLLM's queue, holding nothing (as in projected_peak)
-            if t.step is not None and (self.max_running is None or i < self.max_running):
+            if self._running(i, t):
                 made = min(self.step - t.step, t.max_tokens)
                 held += math.ceil((t.unshared_tokens + made) / self.block_tokens)
         return held + self._held_prefix
@@ -271,7 +276,7 @@ class KvBudget:
             "kv_block_tokens": self.block_tokens,
             "output_tokens_estimate": (self._out_sum / self._out_n) if self._out_n else None,
             # the recent cohort's spread: what the projection's 90th percentile stands for
-            "output_tokens_p10_p50_p90": self._percentiles(),
+            "output_tokens_p10_p50_p90": list(self._recent()[:3]) if self._outputs else None,
             "preemptions_seen": self.preemptions_seen,
             "admissions_deferred": self.deferred,
             "admitted_by_projection": self.admitted_over_peaks,
