@@ -155,10 +155,15 @@ class Vllm:
         return done, prefill, ctx
 
 
-def workload(docs: int, groups: int, shape: dict, seed: int = 0) -> list[SimReq]:
+def workload(docs: int, groups: int, shape: dict, seed: int = 0, long_rows: float = 0.0,
+             long_groups: float = 0.0) -> list[SimReq]:
+    """Output lengths uniform in the shape's range, except a share of rows (`long_rows`, each on its
+    own) or of whole groups (`long_groups`: a prompt the model loops on) that run to max_tokens."""
     rnd = random.Random(seed)
     lo, hi = shape["out"]
-    return [SimReq(f"r{i}", f"g{i % groups}", shape["prefix"] + shape["private"], rnd.randint(lo, hi))
+    looping = {g for g in range(groups) if rnd.random() < long_groups}
+    return [SimReq(f"r{i}", f"g{i % groups}", shape["prefix"] + shape["private"],
+                   shape["max_tokens"] if i % groups in looping or rnd.random() < long_rows else rnd.randint(lo, hi))
             for i in range(docs)]
 
 
@@ -220,15 +225,22 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=1024)
     ap.add_argument("--groups", type=int, default=64)
     ap.add_argument("--policies", default="plain,sorted,runner,runner-nowarm")
+    ap.add_argument("--max-tokens", type=int, default=None, help="instead of the shape's")
+    ap.add_argument("--long-rows", type=float, default=0.0, help="share of rows that run to max_tokens")
+    ap.add_argument("--long-groups", type=float, default=0.0, help="share of groups whose rows all do")
+    ap.add_argument("--seeds", default="0", help="workload seeds, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
-    shape = SHAPES[a.shape]
+    shape = SHAPES[a.shape] | ({"max_tokens": a.max_tokens} if a.max_tokens else {})
     rows = []
-    for p in a.policies.split(","):
-        rows.append(run(p, workload(a.docs, a.groups, shape), shape))
-        print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    for seed in (int(x) for x in a.seeds.split(",")):
+        for p in a.policies.split(","):
+            reqs = workload(a.docs, a.groups, shape, seed, a.long_rows, a.long_groups)
+            rows.append({"seed": seed} | run(p, reqs, shape))
+            print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     if a.out:
-        a.out.write_text(json.dumps({"shape": a.shape, "docs": a.docs, "groups": a.groups, "runs": rows}, indent=1))
+        a.out.write_text(json.dumps({"shape": a.shape, "docs": a.docs, "groups": a.groups, "max_tokens": shape["max_tokens"],
+                                     "long_rows": a.long_rows, "long_groups": a.long_groups, "runs": rows}, indent=1))
 
 
 if __name__ == "__main__":

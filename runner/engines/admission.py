@@ -8,9 +8,19 @@ cache, and shrinks that budget whenever vLLM still reports a preemption.
 
 Two tests, cheap first: the sum of every request's peak fits (always true with a roomy cache);
 else the projected peak fits. Requests admitted earlier finish earlier, so the cache never holds
-every request at its peak at once: the projection walks forward through the steps at which the
-running requests finish, assuming one output token a step (speculation turns this off: it makes
-more tokens a step) and outputs as long as the 90th percentile seen so far.
+every request at its peak at once: the projection walks forward step by step, assuming one output
+token a step (speculation turns this off: it makes more tokens a step). Each request's output
+length is drawn from the recent finished outputs, given how far it already ran (one longer than
+any seen may run to max_tokens); the expected blocks plus two standard deviations must fit. A
+margin on the sum, not on every request: with a 90th percentile per request, a few long outputs
+(a model that loops on some rows) made every request plan for max_tokens and left the cache
+underused; in the simulator the sum's margin took 1-7.5% fewer steps where lengths vary row by
+row and the same where all are as long (bench/results/2026-11-30-cpu-2core-admission-sim-sum.json).
+
+A preemption (vLLM ran out of blocks anyway) shrinks the budget by 15%, down to 70% of the cache,
+and the budget grows back by 1% of the cache every 16 steps without one: outputs that run long
+together (rows of one group) are a passing state, and a budget that only shrank ran up to 9x
+slower than plain vLLM in the simulator once a few such groups had passed.
 
 Pacing: requests admitted together finish together when their outputs are about as long (a
 schema with bounded fields; a model that always runs to max_tokens), and then hold their peaks
@@ -27,18 +37,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import count
-from typing import NamedTuple, Optional
+from typing import Optional
+
+import numpy as np
 
 from runner.engines.base import Request
+from runner.engines.output_lengths import OutputLengths
 
 
-class Spread(NamedTuple):
-    """Recent finished output lengths: percentiles (whole tokens) and mean."""
-
-    p10: int
-    p50: int
-    p90: int
-    mean: float
+MARGIN_SD = 2.0  # the projection's margin, in standard deviations of the blocks held (see above)
+GRID_POINTS = 64  # steps ahead at which the projection is evaluated (each bounds its stretch)
+SHRINK = 0.85  # the budget after a preemption, as a share of what it was
+FLOOR = 0.7  # ... and never below this share of the cache
+REGROW_STEPS = 16  # steps without a preemption after which the budget grows by 1% of the cache
 
 
 @dataclass
@@ -59,7 +70,6 @@ class KvBudget:
         self.block_tokens = block_tokens
         self.budget = total_blocks  # None: unbounded (the cache size is not known)
         self.used = 0  # sum of the admitted requests' peaks
-        self.min_output_samples = min_output_samples
         self.max_running = max_running  # vLLM runs at most this many (max_num_seqs); the rest wait
         self.project = project
         self.pace = pace and project  # both count one token a step
@@ -69,19 +79,13 @@ class KvBudget:
         self.step = 0
         self.tickets: dict[int, Ticket] = {}
         self._ids = count()
-        self._out_sum = 0
-        self._out_n = 0
-        self._outputs: list[int] = []  # recent output lengths, for the percentile
-        self._window: Optional[Spread] = None  # of _outputs, sorted once per change
-        # Short outputs finish first, so the lengths seen so far under-sample long ones. Only a
-        # cohort is a fair sample: lengths count once every request admitted before them is done.
-        self._finished: dict[int, Optional[int]] = {}  # done, but an earlier ticket is still running
-        self._cohort_end = 0  # every ticket below this one is done and counted
+        self.lengths = OutputLengths(min_output_samples)  # of the finished cohort
         # Groups with requests in flight -> [requests, prefix blocks]: each such group's shared
         # prefix is held in the cache (and cannot be evicted) until its last request finishes.
         self._groups: dict[str, list[int]] = {}
         self._held_prefix = 0
         self.preemptions_seen = 0
+        self._shrunk_at = 0  # step of the last preemption or regrowth
         self.deferred = 0  # times a request waited for blocks
         self.admitted_over_peaks = 0  # requests only the projection let in
         self.max_admitted = 0
@@ -89,18 +93,9 @@ class KvBudget:
     def output_estimate(self, max_tokens: int) -> int:
         """Output tokens to plan for: max_tokens until enough rows finished, then the 90th percentile
         of the finished cohort (+8)."""
-        if self._out_n < self.min_output_samples:
+        if not self.lengths.known():
             return max_tokens
-        return min(max_tokens, self._recent().p90 + 8)
-
-    def _recent(self) -> Spread:
-        """Percentiles and mean of the recent output lengths, sorted once per change (admission
-        asks for them on every request it considers). Needs at least one finished output."""
-        if self._window is None:
-            recent = sorted(self._outputs)
-            at = [recent[int(q * (len(recent) - 1))] for q in (0.1, 0.5, 0.9)]
-            self._window = Spread(*at, sum(recent) / len(recent))
-        return self._window
+        return min(max_tokens, self.lengths.spread().p90 + 8)
 
     def _running(self, i: int, t: Ticket) -> bool:
         """Ticket number i of those in flight runs in vLLM: sent, and within max_num_seqs (beyond it
@@ -171,42 +166,42 @@ class KvBudget:
     def uniform_outputs(self) -> bool:
         """Recent outputs about as long as each other (10th percentile >= 3/4 of the 90th): the
         case in which admitted waves stay together. Unknown until enough rows finished."""
-        if self._out_n < self.min_output_samples:
+        if not self.lengths.known():
             return False
-        spread = self._recent()
+        spread = self.lengths.spread()
         return spread.p10 >= 0.75 * spread.p90
 
     def mean_output(self, max_tokens: int) -> float:
         """Mean output tokens of the recent finished cohort (the same window as the percentiles:
         lengths change from one group of rows to the next); max_tokens until enough rows finished."""
-        if self._out_n < self.min_output_samples:
+        if not self.lengths.known():
             return max_tokens
-        return self._recent().mean
+        return self.lengths.spread().mean
 
     def projected_peak(self, req: Request) -> float:
-        """Peak blocks the running requests plus `req` will hold, if each makes a token a step."""
-        bt = self.block_tokens
-        items = []  # (steps left, tokens now)
+        """Peak blocks the running requests plus `req` are expected to hold over the coming steps,
+        with a margin of MARGIN_SD standard deviations of that sum (one token a step)."""
+        ages, tokens, caps = [], [], []
         for i, t in enumerate(self.tickets.values()):
             age = self.step - t.step if self._running(i, t) else 0
-            length = self.output_estimate(t.max_tokens)
-            if age >= length:  # longer than planned: it may run to max_tokens
-                length = t.max_tokens
-            items.append((max(length - age, 1), t.unshared_tokens + age))
-        items.append((self.output_estimate(req.max_tokens), len(req.prompt_token_ids) - req.cacheable_tokens))
-        items.sort()
-        # Usage x steps ahead: sum over requests still running (steps left > x) of (tokens + x)/bt + 1.
-        # It peaks just before a request finishes, so only x = 0 and x = left - 1 need checking.
-        peak, tokens, alive = 0.0, sum(t for _, t in items), len(items)
-        prev = None
-        for left, now in items:
-            if left != prev:
-                x = left - 1
-                peak = max(peak, (tokens + x * alive) / bt + alive)
-                prev = left
-            tokens -= now
-            alive -= 1
-        return peak
+            ages.append(age)
+            tokens.append(t.unshared_tokens + age)
+            caps.append(t.max_tokens)
+        ages.append(0)
+        tokens.append(len(req.prompt_token_ids) - req.cacheable_tokens)
+        caps.append(req.max_tokens)
+        age = np.array(ages)
+        cap = np.maximum(np.array(caps), age + 1)  # one the clock counts past max_tokens is not done yet
+        horizon = max(int((cap - age).max()), 1)
+        stride = max(1, horizon // GRID_POINTS)
+        xs = np.arange(0, horizon, stride)
+        alive = self.lengths.survival(age, cap, xs)  # [request, x]: P(still running x steps ahead)
+        # Within a stride a request only grows and only finishes: its blocks at the stride's last
+        # step with its chance of running at the first bound that stretch from above.
+        blocks = (np.array(tokens)[:, None] + xs[None, :] + (stride - 1)) / self.block_tokens + 1
+        mean = (alive * blocks).sum(axis=0)
+        sd = np.sqrt((alive * (1 - alive) * blocks * blocks).sum(axis=0))
+        return float((mean + MARGIN_SD * sd).max())
 
     def admit(self, req: Request) -> int:
         blocks = self.need(req)
@@ -233,17 +228,7 @@ class KvBudget:
         if entry[0] == 0:
             self._held_prefix -= entry[1]
             del self._groups[t.group]
-        self._finished[ticket] = completion_tokens
-        while self._cohort_end in self._finished:
-            n = self._finished.pop(self._cohort_end)
-            self._cohort_end += 1
-            if n is not None:
-                self._out_sum += n
-                self._out_n += 1
-                self._outputs.append(n)
-                self._window = None
-                if len(self._outputs) > 512:
-                    del self._outputs[:256]
+        self.lengths.finished(ticket, completion_tokens)
 
     def submitted(self, ticket: int) -> None:
         """The request went to the engine now (a group's followers wait for their leader first)."""
@@ -260,23 +245,30 @@ class KvBudget:
         return held + self._held_prefix
 
     def tick(self) -> None:
-        """The engine made one step."""
+        """The engine made one step; REGROW_STEPS without a preemption give back 1% of the cache."""
         self.step += 1
+        if (self.budget is not None and self.budget < self.total_blocks
+                and self.step - self._shrunk_at >= REGROW_STEPS):
+            self.budget = min(self.budget + max(self.total_blocks // 100, 1), self.total_blocks)
+            self._shrunk_at = self.step
 
     def on_preemption(self) -> None:
-        """vLLM preempted a request: what is admitted now was too much; admit less from here on."""
+        """vLLM preempted a request: what is admitted now was too much; admit less for a while."""
         self.preemptions_seen += 1
         if self.budget is not None:
-            self.budget = max(int(0.85 * self.budget), self._reserve() + 1)
+            floor = max(int(FLOOR * self.total_blocks), self._reserve() + 1)
+            self.budget = max(int(SHRINK * self.budget), min(floor, self.budget))
+            self._shrunk_at = self.step
 
     def describe(self) -> dict:
+        spread = self.lengths.spread()
         return {
             "kv_total_blocks": self.total_blocks,
             "kv_budget_blocks": self.budget,
             "kv_block_tokens": self.block_tokens,
-            "output_tokens_estimate": (self._out_sum / self._out_n) if self._out_n else None,
-            # the recent cohort's spread: what the projection's 90th percentile stands for
-            "output_tokens_p10_p50_p90": list(self._recent()[:3]) if self._outputs else None,
+            "output_tokens_estimate": (self.lengths.total / self.lengths.count) if self.lengths.count else None,
+            # the recent cohort's spread: what the projection draws lengths from
+            "output_tokens_p10_p50_p90": list(spread[:3]) if spread else None,
             "preemptions_seen": self.preemptions_seen,
             "admissions_deferred": self.deferred,
             "admitted_by_projection": self.admitted_over_peaks,
