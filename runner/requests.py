@@ -70,8 +70,9 @@ class RequestBuilder:
         if too_long:
             return Completion(doc.row_id, prompt_tokens=len(ids), error=too_long)
         g = self.groups.setdefault(group.key, GroupSummary(group.key, ""))
-        cacheable = self.bound.add(ids, head=(group.key, b.head_tokens(group.system_prompt)))
+        head = b.head_tokens(group.system_prompt)
+        cacheable = self.bound.add(ids, head=(group.key, head))
         g.rows += 1
         g.prompt_tokens += len(ids)
         g.cacheable_tokens += cacheable
-        return Request(doc.row_id, group.key, ids, self.max_tokens, cacheable)
+        return Request(doc.row_id, group.key, ids, self.max_tokens, cacheable, shared_tokens=min(head, len(ids) - 1))

@@ -102,24 +102,33 @@ class KvBudget:
         a sent request waits in vLLM's queue, holding no blocks and making no tokens)."""
         return t.step is not None and (self.max_running is None or i < self.max_running)
 
+    def prefix_blocks(self, req: Request) -> int:
+        """Blocks of the request's prompt that its group holds once: the head all its rows share, or
+        more where the cache serves more. The group's first row computes the head for the rest:
+        counted as its own too, the head was counted twice while that row ran."""
+        return max(req.cacheable_tokens, req.shared_tokens) // self.block_tokens
+
+    def unshared(self, req: Request) -> int:
+        """Prompt tokens the request holds blocks for on its own."""
+        return len(req.prompt_token_ids) - self.prefix_blocks(req) * self.block_tokens
+
     def need(self, req: Request) -> int:
-        """Blocks this request may occupy at its peak beyond the shared prefix it finds in the cache."""
-        unshared = len(req.prompt_token_ids) - req.cacheable_tokens
-        return math.ceil((unshared + self.output_estimate(req.max_tokens)) / self.block_tokens) + 1
+        """Blocks this request may occupy at its peak beyond its group's shared prefix."""
+        return math.ceil((self.unshared(req) + self.output_estimate(req.max_tokens)) / self.block_tokens) + 1
 
     def capacity(self, req: Request) -> Optional[int]:
         """How many requests like `req` the cache holds at their peaks at once, with two groups'
         prefixes held (one ending, the next starting). None: unknown."""
         if self.budget is None:
             return None
-        free = self.budget - 2 * (req.cacheable_tokens // self.block_tokens)
+        free = self.budget - 2 * self.prefix_blocks(req)
         return max(free // self.need(req), 1)
 
     def _reserve(self, req: Optional[Request] = None) -> int:
         """Blocks held by shared prefixes: every group in flight, plus `req`'s if its group is new."""
         extra = 0
         if req is not None:
-            prefix = req.cacheable_tokens // self.block_tokens
+            prefix = self.prefix_blocks(req)
             entry = self._groups.get(req.group_key)
             extra = prefix if entry is None else max(prefix - entry[1], 0)
         return self._held_prefix + extra
@@ -155,7 +164,7 @@ class KvBudget:
             self._bucket = None
             return True
         length = max(self.mean_output(req.max_tokens), 1.0)
-        steady = room / ((len(req.prompt_token_ids) - req.cacheable_tokens + length / 2) / self.block_tokens + 1)
+        steady = room / ((self.unshared(req) + length / 2) / self.block_tokens + 1)
         burst = max(4.0, steady / 8)
         if self._bucket is None:
             self._bucket, self._bucket_step = burst, self.step
@@ -188,7 +197,7 @@ class KvBudget:
             tokens.append(t.unshared_tokens + age)
             caps.append(t.max_tokens)
         ages.append(0)
-        tokens.append(len(req.prompt_token_ids) - req.cacheable_tokens)
+        tokens.append(self.unshared(req))
         caps.append(req.max_tokens)
         age = np.array(ages)
         cap = np.maximum(np.array(caps), age + 1)  # one the clock counts past max_tokens is not done yet
@@ -206,9 +215,8 @@ class KvBudget:
     def admit(self, req: Request) -> int:
         blocks = self.need(req)
         ticket = next(self._ids)
-        self.tickets[ticket] = Ticket(len(req.prompt_token_ids) - req.cacheable_tokens, req.max_tokens, blocks,
-                                      req.group_key)
-        prefix = req.cacheable_tokens // self.block_tokens
+        self.tickets[ticket] = Ticket(self.unshared(req), req.max_tokens, blocks, req.group_key)
+        prefix = self.prefix_blocks(req)
         entry = self._groups.setdefault(req.group_key, [0, 0])
         entry[0] += 1
         if prefix > entry[1]:

@@ -22,6 +22,10 @@ class Request:
     max_tokens: int
     cacheable_tokens: int = 0  # leading tokens a warm prefix cache holds for it (see plan.PrefixCacheBound)
     attempt: int = 1  # 2 for a retry (sampling.retry_max_tokens, retry_repetition_penalty)
+    # Leading tokens every row of its group starts with (chat template head and system prompt):
+    # held in the KV cache once for the group, computed by whichever of its rows runs first (that
+    # row's cacheable_tokens is 0, yet these blocks are not its own).
+    shared_tokens: int = 0
 
 
 @dataclass
