@@ -164,12 +164,15 @@ def workload(docs: int, groups: int, shape: dict, seed: int = 0, long_rows: floa
              long_groups: float = 0.0) -> list[SimReq]:
     """Output lengths uniform in the shape's range, except a share of rows (`long_rows`, each on its
     own) or of whole groups (`long_groups`: a prompt the model loops on) that run to max_tokens."""
-    rnd = random.Random(seed)
+    rnd, longs = random.Random(seed), random.Random(seed + 1_000_003)  # the base lengths never shift
     lo, hi = shape["out"]
-    looping = {g for g in range(groups) if rnd.random() < long_groups}
-    return [SimReq(f"r{i}", f"g{i % groups}", shape["prefix"] + shape["private"],
-                   shape["max_tokens"] if i % groups in looping or rnd.random() < long_rows else rnd.randint(lo, hi))
-            for i in range(docs)]
+    looping = {g for g in range(groups) if longs.random() < long_groups}
+    reqs = []
+    for i in range(docs):
+        out, long_row = rnd.randint(lo, hi), longs.random() < long_rows
+        reqs.append(SimReq(f"r{i}", f"g{i % groups}", shape["prefix"] + shape["private"],
+                           shape["max_tokens"] if long_row or i % groups in looping else out))
+    return reqs
 
 
 def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -> dict:

@@ -7,11 +7,13 @@ import random
 import sqlite3
 from typing import Optional
 
+import numpy as np
 import pytest
 
 from runner.engines.speculation import choose, predict, speculative_config
 from runner.engines.sequence import Phase
 from runner.engines.admission import KvBudget
+from runner.engines.output_lengths import OutputLengths
 from runner.engines.feed import Feed
 from runner.engines.base import EngineCounters, Request
 from runner.engines.fake import FakeEngine
@@ -131,14 +133,14 @@ def test_projection_admits_more_than_the_sum_of_peaks_and_never_overflows(output
 def test_a_few_long_outputs_do_not_make_every_request_plan_for_max_tokens():
     """One output in 7 runs to max_tokens (a model that loops on some rows): the 90th percentile is
     max_tokens. The projection plans for the sum (expected blocks plus a margin), not for every
-    request at the 90th percentile: the cache stays at least 85% used while rows wait (the
-    percentile rule held 82%) and never overflows."""
+    request at the 90th percentile: the cache stays at least 84% used while rows wait (85% here,
+    where every row is of one group; the percentile rule held 82%) and never overflows."""
     b = KvBudget(total_blocks=400, block_tokens=16, max_running=256)
     held: list[int] = []
     most_blocks, _, _ = simulate(b, 600, 150, lambda n: 128 if n % 7 == 0 else 40 + n % 40, held_while_waiting=held)
     assert b.output_estimate(128) == 128
     assert most_blocks <= 400
-    assert sum(held) / len(held) >= 0.85 * 400
+    assert sum(held) / len(held) >= 0.84 * 400
 
 
 def test_pacing_breaks_up_waves_of_equally_long_outputs():
@@ -438,6 +440,69 @@ def test_a_groups_head_is_counted_once_with_the_row_that_computes_it():
     b.tick()
     assert b.reserved_blocks() == 4
     assert b.blocks_held() == 2 * math.ceil((36 + 1) / 16) + 4
+
+
+def test_without_prefix_caching_every_row_holds_its_whole_prompt():
+    """With vLLM's prefix cache off nothing is shared: a row's head is its own (a budget that
+    counted it shared undercounted every row, and preempted on every check)."""
+    follower = Request("b", "g", list(range(100)), 64, 64, shared_tokens=70)
+    shared, unshared = KvBudget(1000, 16), KvBudget(1000, 16, shared_prefixes=False)
+    assert shared.unshared(follower) == 36 and unshared.unshared(follower) == 100
+    assert unshared.need(follower) == math.ceil((100 + 64) / 16) + 1
+    unshared.admit(follower)
+    assert unshared.reserved_blocks() == 0
+
+
+def test_a_head_longer_than_the_prompt_leaves_the_last_token_unshared():
+    b = KvBudget(1000, 16)
+    odd = Request("x", "g", list(range(40)), 8, 0, shared_tokens=500)  # inconsistent counts
+    assert b.unshared(odd) >= 1 and b.need(odd) >= 1
+
+
+def test_survival_follows_the_recent_lengths_then_max_tokens():
+    """P(still running x steps ahead), given how far a request ran: from the recent cohort's
+    lengths; one past the longest of them, or any before enough are known, runs to max_tokens."""
+    lengths = OutputLengths(min_samples=4)
+    ahead = np.array([0, 10, 20, 30])
+    age, cap = np.array([0, 25, 45]), np.array([100, 100, 100])
+    assert (lengths.survival(age, cap, ahead) == (age[:, None] + ahead < cap[:, None])).all()  # none known
+    for ticket, n in enumerate([10, 20, 30, 40]):
+        lengths.finished(ticket, n)
+    alive = lengths.survival(age, cap, ahead)
+    assert alive[0].tolist() == [1.0, 0.75, 0.5, 0.25]  # fresh: 4, 3, 2, 1 of 4 are longer
+    assert alive[1].tolist() == [1.0, 0.5, 0.0, 0.0]  # ran 25: only the 30 and 40 are longer
+    assert alive[2].tolist() == [1.0, 1.0, 1.0, 1.0]  # past the longest (40): up to max_tokens
+    assert lengths.support_end(age, cap).tolist() == [40, 40, 100]
+
+
+def test_a_large_max_tokens_does_not_inflate_the_projection():
+    """Outputs of 40-99 tokens: a max_tokens of 4096 may not change the plan much from one of 256
+    (the projection's steps ahead end where the recent lengths do)."""
+    peaks = {}
+    for max_tokens in (256, 4096):
+        b = KvBudget(total_blocks=2000, block_tokens=16, max_running=256, min_output_samples=4)
+        for n in range(32):
+            t = b.admit(Request(f"w{n}", "g", list(range(150)), max_tokens, 0))
+            b.release(t, 40 + n * 59 // 31)
+        for n in range(40):
+            b.submitted(b.admit(Request(f"r{n}", f"g{n % 4}", list(range(150)), max_tokens, 0)))
+            b.tick()
+        peaks[max_tokens] = b.projected_peak(Request("q", "g0", list(range(150)), max_tokens, 0))
+    assert peaks[4096] <= 1.02 * peaks[256]
+
+
+def test_rows_of_one_group_get_a_larger_margin_than_rows_of_many():
+    """Rows of one group tend to run about as long as each other: their deviations partly add up,
+    so the same requests in one group project a higher peak than spread over many groups."""
+    peaks = {}
+    for groups in (1, 20):
+        b = KvBudget(total_blocks=2000, block_tokens=16, max_running=256, min_output_samples=4)
+        for n in range(32):
+            b.release(b.admit(Request(f"w{n}", "g", list(range(150)), 256, 0)), 40 + n * 5)
+        for n in range(40):
+            b.submitted(b.admit(Request(f"r{n}", f"g{n % groups}", list(range(150)), 256, 0)))
+        peaks[groups] = b.projected_peak(Request("q", "g0", list(range(150)), 256, 0))
+    assert peaks[1] > peaks[20]
 
 
 def test_requests_carry_their_groups_shared_head(make_job):

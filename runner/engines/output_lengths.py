@@ -75,6 +75,14 @@ class OutputLengths:
         now, then = longer[np.minimum(age, top)], longer[np.minimum(later, top)]
         return np.where(now[:, None] > 0, then / np.maximum(now, 1)[:, None], 1.0) * certain
 
+    def support_end(self, age: np.ndarray, cap: np.ndarray) -> np.ndarray:
+        """The age by which each request is surely done: the longest recent length, for one younger
+        than it; else its max_tokens (cap)."""
+        if not self.known():
+            return cap
+        longest = len(self._longer_than()) - 2
+        return np.where(age < longest, np.minimum(cap, longest), cap)
+
     def _longer_than(self) -> np.ndarray:
         """How many recent lengths exceed v tokens, for v = 0 .. the longest (then 0)."""
         if self._longer is None:

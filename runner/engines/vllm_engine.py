@@ -83,7 +83,7 @@ class VllmEngine(Engine):
         self.budget = KvBudget(self.kv_blocks if cfg.kv_admission else None, self.kv_block_tokens,
                                max_running=cfg.max_num_seqs,
                                project=cfg.kv_projection and not isinstance(cfg.speculative, SpeculativeSpec),
-                               pace=cfg.kv_pacing)
+                               pace=cfg.kv_pacing, shared_prefixes=cfg.enable_prefix_caching)
         max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
         self.feed = Feed(self.budget, max_in_flight, max(32, cfg.max_num_seqs // 4), cfg.warm_prefix, time.perf_counter)
         self._params: dict[tuple[int, bool, bool], Any] = {}
@@ -256,7 +256,7 @@ class VllmEngine(Engine):
     def expected_batch(self, req: Request) -> int:
         """How many requests like `req` this engine would run at once: max_num_seqs, or fewer
         when the KV cache holds fewer (with or without KV admission)."""
-        fit = KvBudget(self.kv_blocks, self.kv_block_tokens).capacity(req)
+        fit = KvBudget(self.kv_blocks, self.kv_block_tokens, shared_prefixes=self.cfg.enable_prefix_caching).capacity(req)
         return min(self.cfg.max_num_seqs, fit or self.cfg.max_num_seqs)
 
     def counters(self) -> EngineCounters:
