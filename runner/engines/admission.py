@@ -11,15 +11,16 @@ else the projected peak fits. Requests admitted earlier finish earlier, so the c
 every request at its peak at once: the projection walks forward step by step, assuming one output
 token a step (speculation turns this off: it makes more tokens a step). Each request's output
 length is drawn from the recent finished outputs, given how far it already ran (one longer than
-any seen may run to max_tokens); the expected blocks plus two standard deviations must fit. Rows
-of one group often run about as long as each other (a prompt the model loops on), which a sum of
-independent lengths would not cover: their deviations are taken as correlated at 0.1 (in the
-simulator, fully correlated cost 10-18% more steps where lengths were independent; 0.1 costs ~1%
-there and halved preemptions where whole groups ran to max_tokens). A preemption (below) is the
-backstop where that falls short. A margin on the sum, not on every request: with a 90th percentile per request, a few long outputs
+any seen may run to max_tokens); the expected blocks plus two standard deviations must fit. A
+margin on the sum, not on every request: with a 90th percentile per request, a few long outputs
 (a model that loops on some rows) made every request plan for max_tokens and left the cache
 underused; in the simulator the sum's margin took 1-7.5% fewer steps where lengths vary row by
 row and the same where all are as long (bench/results/2026-11-30-cpu-2core-admission-sim-sum.json).
+Rows of one group often run about as long as each other (a prompt the model loops on), which a
+sum of independent lengths does not cover: their deviations count as correlated at 0.1. In the
+simulator, fully correlated cost 10-18% more steps where lengths were independent; 0.1 costs ~1%
+there and cut preemptions by 40-60% where whole groups ran to max_tokens
+(bench/results/2026-11-30-cpu-2core-admission-sim-review.json). A preemption is the backstop.
 
 A preemption (vLLM ran out of blocks anyway) shrinks the budget by 15%, down to 70% of the cache,
 and the budget grows back by 1% of the cache every 16 steps without one: outputs that run long
@@ -200,8 +201,8 @@ class KvBudget:
     def projected_peak(self, req: Request) -> float:
         """Peak blocks the running requests plus `req` are expected to hold over the coming steps,
         with a margin of MARGIN_SD standard deviations of that sum (one token a step). Rows of one
-        group tend to run about as long as each other, so their deviations add up within a group
-        (and independently across groups)."""
+        group tend to run about as long as each other: their deviations partly add up
+        (GROUP_CORRELATION); across groups they are independent."""
         ages, tokens, caps, groups = [], [], [], []
         for i, t in enumerate(self.tickets.values()):
             age = self.step - t.step if self._running(i, t) else 0
@@ -227,7 +228,8 @@ class KvBudget:
         _, group_of = np.unique(np.array(groups), return_inverse=True)
         by_group = np.zeros((group_of.max() + 1, len(xs)))
         np.add.at(by_group, group_of, dev)
-        sd = np.sqrt((1 - GROUP_CORRELATION) * (dev ** 2).sum(axis=0) + GROUP_CORRELATION * (by_group ** 2).sum(axis=0))
+        rho = GROUP_CORRELATION
+        sd = np.sqrt((1 - rho) * (dev ** 2).sum(axis=0) + rho * (by_group ** 2).sum(axis=0))
         return float((mean + MARGIN_SD * sd).max())
 
     def admit(self, req: Request) -> int:
