@@ -11,6 +11,9 @@ set -u
 BENCH="${BENCH:-bench/bench.py}"
 export PYTHONPATH=/tmp/site VLLM_CACHE_ROOT=/tmp/vllm-cache RUNNER_CACHE=/tmp/runner-cache PYTHONUNBUFFERED=1 \
        HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled
+machine() {  # what the results files name the machine by
+  echo "$(nvidia-smi -L | wc -l)x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(nproc) cores, vllm 0.26.0"
+}
 case "$1" in
 start)
   # WARMUP="invoices/tight/135m=plain;invoices/tight/8b=plain" first runs those cases once on 16
@@ -19,7 +22,7 @@ start)
   shift
   rm -rf /tmp/proj && cp -r . /tmp/proj && cd /tmp/proj
   export BENCH WARMUP="${WARMUP:-}" BENCH_COMMIT="${BENCH_COMMIT:-unknown}"
-  export MACHINE="$(nvidia-smi -L | wc -l)x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(nproc) cores, vllm 0.26.0"
+  export MACHINE="$(machine)"
   setsid nohup bash -c '
     if [ -n "$WARMUP" ]; then
       python3 "$BENCH" --model /tmp/smollm2 --machine "$MACHINE" --multi "" --repeats 1 --docs 16 \
@@ -30,13 +33,12 @@ start)
   sleep 30; grep -vE "WARNING|INFO|^\s*$" /tmp/warmup.log /tmp/bench.log 2>/dev/null | tail -5 ;;
 streams)
   rm -rf /tmp/proj && cp -r . /tmp/proj && cd /tmp/proj
-  machine="$(nvidia-smi -L | wc -l)x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(nproc) cores, vllm 0.26.0"
   half=$(( $(nproc) / 2 ))
   for i in 0 1; do
     cases=$([ $i = 0 ] && echo "$3" || echo "$4")
     cores=$([ $i = 0 ] && echo "0-$(( half - 1 ))" || echo "$half-$(( 2 * half - 1 ))")
     BENCH_COMMIT="${BENCH_COMMIT:-unknown}" setsid nohup taskset -c "$cores" python3 "$BENCH" --model /tmp/smollm2 \
-      --machine "$machine" --cases "$cases" --multi "" --gpus $i --deadline-s "$2" --out /tmp/e2e-$i.json \
+      --machine "$(machine)" --cases "$cases" --multi "" --gpus $i --deadline-s "$2" --out /tmp/e2e-$i.json \
       --workdir /tmp/rb$i > /tmp/bench-$i.log 2>&1 < /dev/null &
   done
   sleep 20; tail -n 2 /tmp/bench-0.log /tmp/bench-1.log ;;
