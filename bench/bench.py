@@ -10,7 +10,8 @@ reading and writing included):
   ray1, ray2    the runner with `executor: ray`, 1 or 2 replicas of one GPU each
   ray1ip, ...   the same with each replica's vLLM engine core in the actor's process (ip) or in a
                 process of its own (mp: vLLM spawns it inside a Ray actor, importing vLLM again)
-  spec_off, no_warm, peaks_only, no_grouping, spec_kN   the runner with one setting changed
+  spec_off, no_warm, peaks_only, no_grouping, spec_kN, xgrammar, guidance   the runner with one
+                setting changed (xgrammar, guidance: a named structured_output_backend, not measure)
 
 A case is WORKLOAD/REGIME/MODEL=CONFIGS[@ROUNDS], e.g. `invoices/tight/135m=plain,sorted,runner`.
 Cases run interleaved in rounds (every configuration once per round), single-GPU runs side by
@@ -138,6 +139,8 @@ def main() -> None:
     ap.add_argument("--gpus", default="auto", help="GPU ids to run on, e.g. 0,1 (auto: all)")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     ap.add_argument("--task-timeout", type=int, default=900)
+    ap.add_argument("--engine-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine setting for every runner configuration (YAML value), e.g. enforce_eager=true")
     ap.add_argument("--workdir", default="/tmp/rb")
     ap.add_argument("--out", default=None)
     ap.add_argument("--machine", default=None)

@@ -58,13 +58,14 @@ os._exit(0)
 def settings(job_path: str, work: Path) -> list[Path]:
     """For the plain child: the runner's own vLLM keyword arguments and environment for the job,
     and the job's first row as the runner prompts it (token ids) with the job's schema."""
-    from runner.engines.vllm_settings import llm_kwargs, offline_environment
+    from runner.engines.vllm_settings import llm_kwargs, offline_environment, resolve_grammar
     from runner.prompting import builder_for
     from runner.readers import LocalReader
     from runner.spec import load_job
 
     job = load_job(job_path)
-    kw, env = llm_kwargs(job.engine, job.model_path, job.spec.sampling.seed), offline_environment(job.engine.in_process)
+    engine, _ = resolve_grammar(job.engine, job.model_path, job.output_schema)  # the runner's backend (cached)
+    kw, env = llm_kwargs(engine, job.model_path, job.spec.sampling.seed), offline_environment(job.engine.in_process)
     doc = next(iter(LocalReader(job.input_path, job.spec.input).documents(job.system_source)))
     builder = builder_for(job)
     first = {"prompt_token_ids": builder.prompt_ids(doc.system_prompt, builder.user_text(doc)),

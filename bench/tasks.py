@@ -152,6 +152,8 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "no_warm": ({"speculative": None, "warm_prefix": False}, {}),
         "peaks_only": ({"speculative": None, "kv_projection": False}, {}),
         "no_pacing": ({"kv_pacing": False}, {}),
+        "xgrammar": ({"structured_output_backend": "xgrammar"}, {}),
+        "guidance": ({"structured_output_backend": "guidance"}, {}),
         "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),
@@ -170,11 +172,17 @@ def runner_variant(name: str) -> tuple[dict, dict]:
     return variants[name]
 
 
+def engine_settings(a) -> dict:
+    """--engine-set KEY=VALUE pairs (values read as YAML) for every runner configuration."""
+    pairs = [item.split("=", 1) for item in getattr(a, "engine_set", [])]
+    return {k.strip(): yaml.safe_load(v) for k, v in pairs}
+
+
 def runner_command(a, t: Task, d: Path, seeds: dict) -> list[str]:
     w = workload_dir(a, t)
     engine, job_over = runner_variant(t.config)
     config = ROOT / "configs" / ("smollm2-cpu.yaml" if a.platform == "cpu" else "smollm2-h200.yaml")
-    engine = {"config": str(config), "model": str(model_dir(a, t))} | engine
+    engine = {"config": str(config), "model": str(model_dir(a, t))} | engine | engine_settings(a)
     if tight_blocks(a, t):
         engine["num_gpu_blocks_override"] = tight_blocks(a, t)
     if t.model != "135m":

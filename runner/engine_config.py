@@ -80,7 +80,10 @@ class EngineConfig(Strict):
     speculative: Union[SpeculativeSpec, Literal["auto"], None] = None
     calibration: CalibrationSpec = CalibrationSpec()
     verify: VerifySpec = VerifySpec()
-    structured_output_backend: Literal["auto", "xgrammar", "guidance", "outlines"] = "xgrammar"
+    structured_output_backend: Literal["measure", "auto", "xgrammar", "guidance", "outlines"] = Field(
+        default="measure", description=(
+            "vLLM's guided-decoding backend; `measure`: xgrammar or guidance, whichever fills the job's "
+            "token masks faster on this CPU (runner/engines/grammar_choice.py), cached per schema"))
     kv_admission: bool = Field(default=True, description="admit requests only while the KV cache can hold them")
     kv_projection: bool = Field(default=True, description=(
         "admit past the sum of peak KV needs while a projection (earlier requests finish first) fits"))

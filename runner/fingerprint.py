@@ -41,6 +41,12 @@ def device_name() -> str:
                 return f"{len(names)}x {names[0]}"
         except (OSError, subprocess.SubprocessError):
             pass
+    return cpu_name()
+
+
+@lru_cache(maxsize=1)
+def cpu_name() -> str:
+    """The host's CPU model and core count (what CPU-side work, such as token masks, runs on)."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

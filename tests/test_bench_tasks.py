@@ -13,3 +13,25 @@ INFO 11-30 17:40:14 [loggers.py:259] Engine 000: Avg prompt throughput: 0.0 toke
 def test_log_samples_reads_running_requests_and_kv_usage_from_every_stats_line():
     assert log_samples(LOG) == {"vllm_log_running": [42, 12], "vllm_log_kv_usage": [0.815, 1.0]}
     assert log_samples("no stats here") == {"vllm_log_running": [], "vllm_log_kv_usage": []}
+
+
+def test_engine_set_and_a_named_grammar_backend_reach_the_runners_job(tmp_path, tiny_model_dir):
+    """--engine-set applies to every runner configuration; `xgrammar`/`guidance` name the backend
+    where `runner` keeps the config's `measure`."""
+    import argparse
+
+    import yaml
+
+    from bench.tasks import Task, runner_command
+
+    a = argparse.Namespace(workdir=str(tmp_path), docs=8, multi_docs=8, model=str(tiny_model_dir), platform="cpu",
+                           tight_blocks=64, tight_blocks_8b=64, engine_set=["enforce_eager=true", "max_num_seqs=16"])
+    engines = {}
+    for config in ("runner", "guidance"):
+        d = tmp_path / config
+        d.mkdir()
+        runner_command(a, Task("invoices/tight/135m", config, 1), d, {})
+        engines[config] = yaml.safe_load((d / "job.yaml").read_text())["engine"]
+    assert engines["runner"]["enforce_eager"] is True and engines["guidance"]["max_num_seqs"] == 16
+    assert "structured_output_backend" not in engines["runner"]  # the config file's: measure
+    assert engines["guidance"]["structured_output_backend"] == "guidance"

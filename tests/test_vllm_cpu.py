@@ -54,6 +54,25 @@ def test_real_run_stores_valid_rows_and_engine_stats(make_job, tmp_path):
     assert run["status"] == "completed" and run["engine_backend"] == "vllm"
     settings = json.loads(run["engine_settings_json"])
     assert settings["enable_prefix_caching"] is True and settings["speculative_config"]["method"] == "ngram"
+    # structured_output_backend: measure (the default): the backend vLLM ran is the one chosen, with its costs
+    grammar = json.loads(st["engine_choice_json"])["engines"][0]["grammar"]
+    assert settings["structured_outputs_config"]["backend"] == grammar["backend"] in ("xgrammar", "guidance")
+    assert set(grammar["us_per_token"]) == {"xgrammar", "guidance"} and min(grammar["us_per_token"].values()) > 0
+
+
+def test_real_run_with_xgrammar_named(make_job, tmp_path):
+    """A named backend is used as is (measure picks guidance for the tests' bounded summary here)."""
+    job = make_job(rows=6, engine={"structured_output_backend": "xgrammar", "speculative": None})
+    result = run_cli("run", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    ok = [json.loads(r[0]) for r in con.execute("SELECT extraction_json FROM results WHERE status = 'ok'")]
+    assert len(ok) >= 4
+    for extraction in ok:
+        jsonschema.validate(extraction, SCHEMA)
+    settings = json.loads(con.execute("SELECT engine_settings_json FROM runs").fetchone()[0])
+    assert settings["structured_outputs_config"]["backend"] == "xgrammar"
+    assert "grammar" not in json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])["engines"][0]
 
 
 def test_real_retry_with_a_larger_budget(make_job, tmp_path):

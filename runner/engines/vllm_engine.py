@@ -16,7 +16,7 @@ from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
 from runner.engines.feed import Admitted, Feed
-from runner.engines.vllm_settings import llm_kwargs, offline_environment
+from runner.engines.vllm_settings import llm_kwargs, offline_environment, resolve_grammar
 from runner.errors import EngineError, ModelError, RunnerError, SpecError
 from runner.models import is_model_dir
 from runner.spec import SamplingSpec
@@ -67,6 +67,7 @@ class VllmEngine(Engine):
             from vllm import LLM
         except ImportError as exc:
             raise EngineError(f"vLLM is not installed: {exc}") from None
+        cfg, self.grammar = resolve_grammar(cfg, model_path, schema)
         self.cfg, self.sampling, self.schema = cfg, sampling, schema
         sampling_params(sampling, sampling.max_tokens)  # refused settings stop here, before the model loads
         kw = llm_kwargs(cfg, model_path, sampling.seed)
@@ -286,7 +287,8 @@ class VllmEngine(Engine):
                  "mean_held": round(self.loop["held_step_sum"] / steps, 1),
                  "mean_kv_usage": round(usage / n, 3) if n else None,
                  "mean_kv_counted": round(counted / n, 3) if n and self.budget.project else None}
-        return self.budget.describe() | {"start": self.start, "loop": loop}
+        grammar = {"grammar": self.grammar.describe()} if self.grammar else {}
+        return self.budget.describe() | {"start": self.start, "loop": loop} | grammar
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

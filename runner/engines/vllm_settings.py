@@ -68,6 +68,18 @@ def describe(settings: dict) -> list[tuple[str, str]]:
             ("speculation", f"{spec.get('method')} k={spec.get('num_speculative_tokens')}" if spec else "off")]
 
 
+def resolve_grammar(cfg: EngineConfig, model_path: Path, schema: dict) -> tuple[EngineConfig, Any]:
+    """`cfg` with `structured_output_backend: measure` replaced by the backend whose token masks
+    are cheaper for this schema (grammar_choice.py; cached), and that GrammarChoice (None when the
+    config names a backend)."""
+    if cfg.structured_output_backend != "measure":
+        return cfg, None
+    from runner.engines.grammar_choice import choose
+
+    choice = choose(model_path, schema, cache_root() / "grammar")
+    return cfg.model_copy(update={"structured_output_backend": choice.backend}), choice
+
+
 def llm_kwargs(cfg: EngineConfig, model_path: Path, seed: int | None) -> dict[str, Any]:
     """Keyword arguments for vllm.LLM from a validated engine config."""
     kw: dict[str, Any] = dict(

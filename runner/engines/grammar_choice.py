@@ -1,0 +1,183 @@
+"""Which guided-decoding backend vLLM gets: measured on the job's own schema (`structured_output_backend: measure`).
+
+vLLM fills every running request's token mask on the CPU at each step, in its engine core. With a
+small model that work, not the GPU, bounds the tokens per second (the H200's 135M runs made
+6,100-7,500 output tokens/s whether 22 or 45 requests ran), and its cost depends on the schema and
+the backend: on this project's CPU, a string's `maxLength` made xgrammar's mask ~70x dearer (280
+against 4 µs a request-token on the invoices schema) and llguidance's ~6x (86 against 14): with
+bounded strings llguidance costs a third of xgrammar, without them xgrammar is cheaper
+(`bench/grammar_cost.py`). So the runner replays one valid output of the job's schema through both
+and keeps the cheaper; xgrammar (vLLM's default) unless llguidance costs under PREFER_SHARE of it.
+The choice is cached per schema, tokenizer, library versions and CPU under the runner's cache
+folder: it costs ~3 s (loading the tokenizer, compiling both grammars) once, not every night.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+PREFER_SHARE = 0.8  # llguidance replaces xgrammar only below this share of its cost per token
+BATCH = 8  # masks filled per step while measuring: as the engine core fills them, one after another
+SEPARATORS = (",", ":")  # compact JSON, as the runner asks vLLM for (disable_any_whitespace)
+_WORDS = "Disk pressure on the primary database host delayed the nightly invoice export by an hour"
+_MEMO: dict[str, "GrammarChoice"] = {}
+
+
+class NoExample(ValueError):
+    """The schema uses a keyword the example maker does not satisfy (a pattern, a format, anyOf...)."""
+
+
+@dataclass
+class GrammarChoice:
+    backend: str
+    us_per_token: dict[str, float]  # backend -> microseconds a request-token (mask fill and accept)
+    reason: str
+    measured_s: float = 0.0
+    cached: bool = False
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+_KNOWN = {"type", "properties", "required", "additionalProperties", "enum", "const", "items", "minItems", "maxItems",
+          "minLength", "maxLength", "minimum", "maximum", "title", "description", "$schema", "$id", "default",
+          "examples", "$comment"}
+
+
+def example_output(schema: dict) -> Any:
+    """One value valid under `schema`: enums take their first value, strings realistic words cut to
+    maxLength, numbers their minimum; NoExample for keywords it does not satisfy."""
+    unknown = set(schema) - _KNOWN
+    if unknown:
+        raise NoExample(f"schema keyword(s) {sorted(unknown)}")
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][0]
+    kind = schema.get("type")
+    if kind == "object":
+        return {k: example_output(v) for k, v in schema.get("properties", {}).items()}
+    if kind == "array":
+        return [example_output(schema.get("items", {"type": "string"}))] * max(1, min(schema.get("minItems", 1),
+                                                                                  schema.get("maxItems", 1) or 1))
+    if kind == "string":
+        text = (_WORDS + " ") * (1 + schema.get("minLength", 0) // len(_WORDS))
+        return text[: schema.get("maxLength", len(_WORDS))].rstrip().ljust(schema.get("minLength", 0), "x")
+    if kind in ("number", "integer"):
+        low, high = schema.get("minimum", 42), schema.get("maximum", 42)
+        return low if low <= high else high
+    if kind == "boolean":
+        return True
+    raise NoExample(f"type {kind!r}")
+
+
+def _cost(fill: Callable[[int], None], accept: Callable[[int, int], bool], token_ids: list[int], batch: int) -> float:
+    """Microseconds a request-token: each step fills `batch` masks, then each matcher takes the token."""
+    t0 = time.perf_counter()
+    for tid in token_ids:
+        for i in range(batch):
+            fill(i)
+        for i in range(batch):
+            if not accept(i, tid):
+                raise NoExample("the grammar refused the example output")
+    return (time.perf_counter() - t0) * 1e6 / (len(token_ids) * batch)
+
+
+def _xgrammar(tok, schema_json: str, ids: list[int], batch: int) -> float:
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(schema_json, any_whitespace=False, separators=SEPARATORS)
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
+    mask = xgr.allocate_token_bitmask(batch, info.vocab_size)
+    return _cost(lambda i: matchers[i].fill_next_token_bitmask(mask, i), lambda i, t: matchers[i].accept_token(t),
+                 ids, batch)
+
+
+def _guidance(tok, schema_json: str, ids: list[int], batch: int) -> float:
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+
+    lltok = llguidance.hf.from_tokenizer(tok, len(tok))
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_json, defaults={"whitespace_flexible": False})
+    matchers = [llguidance.LLMatcher(lltok, grammar) for _ in range(batch)]
+    mask = llguidance.torch.allocate_token_bitmask(batch, lltok.vocab_size)
+    return _cost(lambda i: llguidance.torch.fill_next_token_bitmask(matchers[i], mask, i),
+                 lambda i, t: matchers[i].consume_token(t), ids, batch)
+
+
+def backend_costs(tok, schema: dict, batch: int = BATCH) -> dict[str, float]:
+    """Each backend's cost a request-token (µs) on one example output of `schema` (NoExample if
+    none), with `tok` a Hugging Face tokenizer."""
+    ids = tok.encode(json.dumps(example_output(schema), separators=SEPARATORS), add_special_tokens=False)
+    schema_json = json.dumps(schema)
+    return {"xgrammar": round(_xgrammar(tok, schema_json, ids, batch), 2),
+            "guidance": round(_guidance(tok, schema_json, ids, batch), 2)}
+
+
+def measure(model_dir: Path, schema: dict) -> dict[str, float]:
+    """backend_costs with the model folder's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return backend_costs(AutoTokenizer.from_pretrained(str(model_dir)), schema)
+
+
+def decide(costs: dict[str, float]) -> tuple[str, str]:
+    """The backend for these costs, and why."""
+    x, g = costs["xgrammar"], costs["guidance"]
+    if g < PREFER_SHARE * x:
+        return "guidance", f"llguidance's token masks cost {g:.0f} µs a token against xgrammar's {x:.0f}"
+    return "xgrammar", f"xgrammar's token masks cost {x:.0f} µs a token (llguidance {g:.0f})"
+
+
+def cache_key(model_dir: Path, schema: dict) -> str:
+    from importlib import metadata
+
+    from runner.fingerprint import cpu_name
+
+    parts = [json.dumps(schema, sort_keys=True), cpu_name()]
+    tok = Path(model_dir) / "tokenizer.json"
+    parts.append(hashlib.sha256(tok.read_bytes()).hexdigest() if tok.exists() else str(model_dir))
+    for dist in ("xgrammar", "llguidance"):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist} none")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def choose(model_dir: Path, schema: dict, cache_dir: Optional[Path] = None,
+           measure_fn: Optional[Callable[[Path, dict], dict[str, float]]] = None) -> GrammarChoice:
+    """The backend for this job's schema: from the cache, else measured (and cached). A schema
+    with no example output, or a backend that fails, leaves vLLM's default, xgrammar."""
+    key = cache_key(model_dir, schema)
+    if key in _MEMO:
+        return _MEMO[key]
+    path = (cache_dir / f"{key}.json") if cache_dir else None
+    if path is not None and path.exists():
+        try:
+            choice = GrammarChoice(**json.loads(path.read_text()) | {"cached": True})
+            _MEMO[key] = choice
+            return choice
+        except (ValueError, TypeError):
+            pass  # a damaged cache file is measured again
+    t0 = time.perf_counter()
+    try:
+        costs = (measure_fn or measure)(model_dir, schema)
+    except NoExample as exc:
+        return GrammarChoice("xgrammar", {}, f"not measured ({exc}): vLLM's default")
+    except Exception as exc:  # a backend missing or failing: the default stays
+        return GrammarChoice("xgrammar", {}, f"not measured ({exc.__class__.__name__}: {exc}): vLLM's default")
+    backend, reason = decide(costs)
+    choice = _MEMO[key] = GrammarChoice(backend, costs, reason, round(time.perf_counter() - t0, 3))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(choice) | {"cached": False}))
+        tmp.replace(path)
+    return choice

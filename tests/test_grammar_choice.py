@@ -1,0 +1,97 @@
+"""structured_output_backend: measure: the guided-decoding backend whose token masks cost less for
+the job's schema, measured once on an example output and cached."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from bench.workload import WORKLOADS
+from runner.engine_config import EngineConfig
+from runner.engines import grammar_choice
+from runner.engines.grammar_choice import NoExample, choose, decide, example_output
+from runner.engines.vllm_settings import llm_kwargs, resolve_grammar
+from tests.conftest import SCHEMA
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMAS = {"sample": json.loads((ROOT / "schemas" / "summarize.schema.json").read_text()), "tests": SCHEMA,
+           "invoices": WORKLOADS["invoices"][2], "incidents": WORKLOADS["incidents"][2]}
+
+
+@pytest.fixture(autouse=True)
+def fresh_memo(monkeypatch):
+    monkeypatch.setattr(grammar_choice, "_MEMO", {})
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_example_output_is_valid_under_the_schema(name):
+    value = example_output(SCHEMAS[name])
+    jsonschema.validate(value, SCHEMAS[name])
+    # bounded strings are filled to their bound: the dear part of a bounded string's mask is measured
+    bounded = [k for k, v in SCHEMAS[name]["properties"].items() if v.get("type") == "string" and "maxLength" in v]
+    assert any(len(value[k]) >= min(SCHEMAS[name]["properties"][k]["maxLength"], 60) for k in bounded)
+
+
+def test_a_schema_keyword_without_an_example_is_refused():
+    with pytest.raises(NoExample, match="pattern"):
+        example_output({"type": "object", "properties": {"d": {"type": "string", "pattern": "^[0-9]+$"}}})
+    with pytest.raises(NoExample, match="anyOf"):
+        example_output({"anyOf": [{"type": "string"}, {"type": "integer"}]})
+
+
+def test_guidance_replaces_xgrammar_only_when_clearly_cheaper():
+    assert decide({"xgrammar": 300.0, "guidance": 90.0})[0] == "guidance"
+    assert decide({"xgrammar": 100.0, "guidance": 85.0})[0] == "xgrammar"  # within the margin: vLLM's default
+    assert decide({"xgrammar": 5.0, "guidance": 12.0})[0] == "xgrammar"
+
+
+def test_the_choice_is_measured_once_then_read_from_the_cache(tmp_path, tiny_model_dir, monkeypatch):
+    calls = []
+
+    def fake_measure(model_dir, schema):
+        calls.append(model_dir)
+        return {"xgrammar": 300.0, "guidance": 90.0}
+
+    first = choose(tiny_model_dir, SCHEMA, tmp_path / "grammar", fake_measure)
+    monkeypatch.setattr(grammar_choice, "_MEMO", {})  # a later process: only the file remains
+    later = choose(tiny_model_dir, SCHEMA, tmp_path / "grammar", fake_measure)
+    assert len(calls) == 1 and first.backend == later.backend == "guidance"
+    assert not first.cached and later.cached and later.us_per_token == {"xgrammar": 300.0, "guidance": 90.0}
+    # another schema is another key: measured again
+    other = dict(SCHEMA, properties=dict(SCHEMA["properties"], extra={"type": "integer"}))
+    choose(tiny_model_dir, other, tmp_path / "grammar", fake_measure)
+    assert len(calls) == 2
+
+
+def test_no_example_or_a_failing_backend_leaves_the_default_uncached(tmp_path, tiny_model_dir):
+    def broken(model_dir, schema):
+        raise RuntimeError("llguidance is not installed")
+
+    choice = choose(tiny_model_dir, SCHEMA, tmp_path / "grammar", broken)
+    assert choice.backend == "xgrammar" and "RuntimeError" in choice.reason
+    assert not (tmp_path / "grammar").exists()
+    patterned = {"type": "object", "properties": {"d": {"type": "string", "pattern": "^[0-9]+$"}}}
+    assert choose(tiny_model_dir, patterned, tmp_path / "grammar", grammar_choice.measure).backend == "xgrammar"
+
+
+def test_measure_in_the_engine_config_becomes_the_chosen_backend(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(grammar_choice, "measure", lambda model_dir, schema: {"xgrammar": 300.0, "guidance": 90.0})
+    cfg = EngineConfig(model=str(tiny_model_dir))
+    assert cfg.structured_output_backend == "measure"  # the default
+    resolved, choice = resolve_grammar(cfg, tiny_model_dir, SCHEMA)
+    kw = llm_kwargs(resolved, tiny_model_dir, 0)
+    assert choice.backend == "guidance"
+    assert kw["structured_outputs_config"] == {"backend": "guidance", "disable_any_whitespace": True}
+    named = EngineConfig(model=str(tiny_model_dir), structured_output_backend="xgrammar")
+    assert resolve_grammar(named, tiny_model_dir, SCHEMA) == (named, None)  # a named backend is kept
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["sample", "invoices"])
+def test_both_backends_accept_the_example_with_the_real_tokenizer(model_dir, name):
+    """The example output passes both real grammars token by token (a refusal raises NoExample)."""
+    costs = grammar_choice.measure(model_dir, SCHEMAS[name])
+    assert set(costs) == {"xgrammar", "guidance"} and all(v > 0 for v in costs.values())
