@@ -63,9 +63,21 @@ def prompt_set_fingerprint(user_template: str, system_prompt_keys: Iterable[str]
     return digest({"user_template": user_template, "system_prompts": keys})[:16]
 
 
+def grammar_backend(job) -> str:
+    """The guided-decoding backend the job's engines run: `measure` resolved (cached; see
+    runner/engines/grammar_choice.py). The backends write different outputs and cost differently,
+    so both keys below depend on it."""
+    if job.engine.structured_output_backend != "measure":
+        return job.engine.structured_output_backend
+    from runner.engines.vllm_settings import resolve_grammar
+
+    return resolve_grammar(job.engine, job.model_path, job.output_schema)[0].structured_output_backend
+
+
 def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
     """What decides the best speculative setting for a job (see runner/engines/calibrate.py)."""
     engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process"})
+    engine["structured_output_backend"] = grammar_backend(job)
     sampling = {k: v for k, v in job.spec.sampling.fingerprint_dump().items()
                 if k not in ("retry_max_tokens", "retry_repetition_penalty")}
     return {
@@ -84,7 +96,8 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
 def result_fingerprint(job) -> tuple[str, dict]:
     """(fingerprint, components) of what makes a job's results: the model and its chat template,
     the prompts, the schema, the sampling, the prompt-length rule, the speculative setting as
-    configured (drafts can change greedy outputs). The documents are the rows' own data."""
+    configured (drafts can change greedy outputs), the guided-decoding backend unless xgrammar.
+    The documents are the rows' own data."""
     files = {}
     for name in ("chat_template.jinja", "tokenizer_config.json"):
         f = job.model_path / name
@@ -101,6 +114,9 @@ def result_fingerprint(job) -> tuple[str, dict]:
         "sampling": spec.sampling.fingerprint_dump(),
         "on_too_long": spec.input.on_too_long,
     }
+    grammar = grammar_backend(job)
+    if grammar != "xgrammar":  # the backend every earlier version ran: their stored rows stay valid
+        components["grammar"] = grammar
     return digest(components)[:16], components
 
 

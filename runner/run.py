@@ -19,6 +19,7 @@ from runner.engines import Engine, build_engine
 from runner.engines.calibrate import CalibrationContext, calibrate
 from runner.engines.sequence import EngineSequence
 from runner.engines.speculation import Baseline, passes, setting_key, with_speculative
+from runner.engines.vllm_settings import job_with_grammar
 from runner.errors import RunnerError
 from runner.fingerprint import calibration_key, changed_parts, digest, result_fingerprint
 from runner.inputs import InputScan, prefetch
@@ -61,6 +62,7 @@ class Work:
     reasons: list[str]  # what changed, e.g. "sampling.max_tokens"
     is_done: DoneFilter  # which rows of a batch to skip, asked of the database
     notes: list[str] = field(default_factory=list)  # what the run changed about the job, and why
+    grammar: Optional[dict] = None  # how `structured_output_backend: measure` was decided
     skip: set[int] = field(default_factory=set)  # input row numbers rejected by the scan
 
 
@@ -120,10 +122,12 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     store.check_integrity()
     if opts.on_input_ok is not None:
         opts.on_input_ok()
+    job, grammar = job_with_grammar(job)  # one backend for every engine; measured while vLLM imports
     if opts.restart:
         store.delete_results(job.name)
     store.mark_abandoned_runs(job.name)
     work = _work(store, job, scan, opts.retry_failed)
+    work.grammar = grammar
     if work.redone and opts.notify is not None:
         opts.notify(f"running {work.redone:,} stored rows again: " + ("--retry-failed" if opts.retry_failed else
                     "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"))
@@ -216,6 +220,7 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
     stats.engine_choice_json = json.dumps({"speculative_calibration": choice, "engines": engines.adaptations,
                                            "engine_starts_s": [round(x, 3) for x in engines.starts],
                                            "runner_loop": collector.times(), "notes": work.notes,
+                                           "grammar": work.grammar,
                                            "spec_acceptance_by_position": _by_position(engines.used)})
     store.finish_run(run_id, "completed", stats=stats)
     return RunSummary(run_id, str(job.database_path), 0, 0, dict(collector.counts), stats.as_dict())

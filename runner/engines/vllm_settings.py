@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.models import cache_root
+
+if TYPE_CHECKING:
+    from runner.engines.grammar_choice import GrammarChoice
 
 
 def offline_environment(in_process: bool) -> dict[str, str]:
@@ -68,7 +71,7 @@ def describe(settings: dict) -> list[tuple[str, str]]:
             ("speculation", f"{spec.get('method')} k={spec.get('num_speculative_tokens')}" if spec else "off")]
 
 
-def resolve_grammar(cfg: EngineConfig, model_path: Path, schema: dict) -> tuple[EngineConfig, Any]:
+def resolve_grammar(cfg: EngineConfig, model_path: Path, schema: dict) -> tuple[EngineConfig, Optional["GrammarChoice"]]:
     """`cfg` with `structured_output_backend: measure` replaced by the backend whose token masks
     are cheaper for this schema (grammar_choice.py; cached), and that GrammarChoice (None when the
     config names a backend)."""
@@ -78,6 +81,16 @@ def resolve_grammar(cfg: EngineConfig, model_path: Path, schema: dict) -> tuple[
 
     choice = choose(model_path, schema, cache_root() / "grammar")
     return cfg.model_copy(update={"structured_output_backend": choice.backend}), choice
+
+
+def job_with_grammar(job) -> tuple[Any, Optional[dict]]:
+    """The job with `structured_output_backend: measure` resolved once for a whole run, so that
+    every engine (calibration's, Ray's replicas) runs the backend that the result fingerprint and
+    the calibration key were made with; and how it was decided (None: the config names one)."""
+    engine, choice = resolve_grammar(job.engine, job.model_path, job.output_schema)
+    if choice is None:
+        return job, None
+    return job.model_copy(update={"engine": engine}), choice.describe()
 
 
 def llm_kwargs(cfg: EngineConfig, model_path: Path, seed: int | None) -> dict[str, Any]:
