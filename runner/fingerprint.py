@@ -65,8 +65,8 @@ def prompt_set_fingerprint(user_template: str, system_prompt_keys: Iterable[str]
 
 def grammar_backend(job) -> str:
     """The guided-decoding backend the job's engines run: `measure` resolved (cached; see
-    runner/engines/grammar_choice.py). The backends write different outputs and cost differently,
-    so both keys below depend on it."""
+    runner/engines/grammar_choice.py). The backends cost differently: the calibration key depends
+    on it."""
     if job.engine.structured_output_backend != "measure":
         return job.engine.structured_output_backend
     from runner.engines.vllm_settings import resolve_grammar
@@ -96,8 +96,8 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
 def result_fingerprint(job) -> tuple[str, dict]:
     """(fingerprint, components) of what makes a job's results: the model and its chat template,
     the prompts, the schema, the sampling, the prompt-length rule, the speculative setting as
-    configured (drafts can change greedy outputs), the guided-decoding backend unless xgrammar.
-    The documents are the rows' own data."""
+    configured (drafts can change greedy outputs), the guided-decoding backend when a config names
+    one other than xgrammar. The documents are the rows' own data."""
     files = {}
     for name in ("chat_template.jinja", "tokenizer_config.json"):
         f = job.model_path / name
@@ -114,9 +114,9 @@ def result_fingerprint(job) -> tuple[str, dict]:
         "sampling": spec.sampling.fingerprint_dump(),
         "on_too_long": spec.input.on_too_long,
     }
-    grammar = grammar_backend(job)
-    if grammar != "xgrammar":  # the backend every earlier version ran: their stored rows stay valid
-        components["grammar"] = grammar
+    grammar = job.engine.structured_output_backend  # as configured, like `speculative: auto`: a choice
+    if grammar not in ("xgrammar", "measure"):      # measured per machine must not redo a job's rows
+        components["grammar"] = grammar             # (xgrammar: what earlier versions ran; rows stay)
     return digest(components)[:16], components
 
 

@@ -122,12 +122,11 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     store.check_integrity()
     if opts.on_input_ok is not None:
         opts.on_input_ok()
-    job, grammar = job_with_grammar(job)  # one backend for every engine; measured while vLLM imports
     if opts.restart:
         store.delete_results(job.name)
     store.mark_abandoned_runs(job.name)
-    work = _work(store, job, scan, opts.retry_failed)
-    work.grammar = grammar
+    work = _work(store, job, scan, opts.retry_failed)  # the fingerprint has the backend as configured
+    job, work.grammar = job_with_grammar(job)  # one backend for every engine; measured while vLLM imports
     if work.redone and opts.notify is not None:
         opts.notify(f"running {work.redone:,} stored rows again: " + ("--retry-failed" if opts.retry_failed else
                     "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"))
@@ -251,6 +250,7 @@ def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_e
                   clock: Callable[[], float] = time.perf_counter) -> dict:
     """`runner calibrate`: measure the job's speculation on its own rows (done or not) and store the
     choice for later runs. Nothing is written to the job's results."""
+    job, _ = job_with_grammar(job)  # one backend for its engines, as `runner run` decides it
     scan = LocalReader(job.input_path, job.spec.input).scan()
     builder = builder_for(job)
     with JobLock(job.database_path, job.name, wait=wait):

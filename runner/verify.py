@@ -22,6 +22,7 @@ from runner.collect import ResultCollector
 from runner.engines import Engine, build_engine
 from runner.engines.sequence import EngineSequence
 from runner.engines.speculation import setting_key, speculative_config, with_speculative
+from runner.engines.vllm_settings import job_with_grammar
 from runner.fingerprint import calibration_key, digest
 from runner.lock import JobLock
 from runner.plan import plan_stream
@@ -106,6 +107,7 @@ def verify_job(job: Job, *, rows: Optional[int] = None, engine_factory: Callable
                wait: bool = False, baseline: bool = False) -> list[Verification]:
     """Run `rows` of the job's rows greedy without drafts (twice with `baseline`) and with each
     setting; store and return the comparisons. Nothing is written to the job's results."""
+    job, _ = job_with_grammar(job)  # one backend for every engine compared, as `runner run` decides it
     scan = LocalReader(job.input_path, job.spec.input).scan()
     builder = builder_for(job)
     greedy = job.model_copy(update={"spec": job.spec.model_copy(update={"sampling": job.spec.sampling.model_copy(

@@ -81,7 +81,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def make_job(tmp_path, request):
     """Write a complete job (Parquet, schema, engine config, job YAML) under tmp_path; returns its
     path. Tests marked `vllm` get the embedded model; the others a tiny tokenizer-only model."""
-    model_dir = request.getfixturevalue("model_dir" if request.node.get_closest_marker("vllm") else "tiny_model_dir")
+    real = request.node.get_closest_marker("vllm") is not None
+    model_dir = request.getfixturevalue("model_dir" if real else "tiny_model_dir")
+    # the fake engine writes no grammar: its runs need not measure one (tests of `measure` name it)
+    grammar = {} if real else {"structured_output_backend": "xgrammar"}
 
     def make(rows: int = 12, job: dict | None = None, engine: dict | None = None, schema: dict | None = None,
              docs: Path | None = None) -> Path:
@@ -93,7 +96,7 @@ def make_job(tmp_path, request):
             "model": str(model_dir), "dtype": "auto", "max_model_len": 1024,
             "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 8, "block_size": 32, "enforce_eager": True, "in_process": True,
             "speculative": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2},
-        } | (engine or {})
+        } | grammar | (engine or {})
         (tmp_path / "configs").mkdir(exist_ok=True)
         (tmp_path / "configs" / "engine.yaml").write_text(yaml.safe_dump(cfg))
         spec = {

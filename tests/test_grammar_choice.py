@@ -153,20 +153,55 @@ def test_example_output_meets_bounds_on_either_side(schema):
         assert len(value) >= 290  # filled to its bound: the bound is what makes masks dear
 
 
-def test_the_backend_enters_the_result_fingerprint_unless_it_is_xgrammar(tmp_path, make_job, monkeypatch):
+def test_the_result_fingerprint_has_the_backend_as_configured_the_calibration_key_as_chosen(
+        tmp_path, make_job, monkeypatch):
+    """A choice measured per machine must not redo a job's stored rows (as `speculative: auto`);
+    a backend a config names other than xgrammar does. Calibration (speed) keys the backend run."""
     from runner.fingerprint import calibration_key, result_fingerprint
     from runner.spec import load_job
 
     monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
-    fingerprints = {}
-    for backend in ("xgrammar", "guidance"):
+    keys, prints = {}, {}
+    for picked in ("xgrammar", "guidance"):
         monkeypatch.setattr(grammar_choice, "_MEMO", {})
-        monkeypatch.setattr(grammar_choice, "measure", lambda m, s, b=backend: {
-            "xgrammar": 100.0, "guidance": 10.0 if b == "guidance" else 500.0})
+        monkeypatch.setattr(grammar_choice, "measure", lambda m, s, p=picked: {
+            "xgrammar": 100.0, "guidance": 10.0 if p == "guidance" else 500.0})
         shutil.rmtree(tmp_path / "cache", ignore_errors=True)
-        job = load_job(make_job())
-        fingerprints[backend] = result_fingerprint(job)
-        assert calibration_key(job, [])["engine"]["structured_output_backend"] == backend
-    assert "grammar" not in fingerprints["xgrammar"][1]  # as before the choice existed: stored rows stay valid
-    assert fingerprints["guidance"][1]["grammar"] == "guidance"
-    assert fingerprints["guidance"][0] != fingerprints["xgrammar"][0]
+        job = load_job(make_job(engine={"structured_output_backend": "measure"}))
+        prints[picked], keys[picked] = result_fingerprint(job), calibration_key(job, [])
+    assert prints["xgrammar"] == prints["guidance"] and "grammar" not in prints["guidance"][1]
+    assert keys["guidance"]["engine"]["structured_output_backend"] == "guidance"
+    assert keys["xgrammar"]["engine"]["structured_output_backend"] == "xgrammar"
+    named = {b: result_fingerprint(load_job(make_job(engine={"structured_output_backend": b})))
+             for b in ("xgrammar", "guidance")}
+    assert "grammar" not in named["xgrammar"][1] and named["xgrammar"][0] == prints["xgrammar"][0]
+    assert named["guidance"][1]["grammar"] == "guidance" and named["guidance"][0] != named["xgrammar"][0]
+
+
+def test_a_number_bounded_only_above_gets_an_example():
+    for schema in ({"type": "integer", "maximum": 10}, {"type": "number", "maximum": -3.5}):
+        jsonschema.validate(example_output(schema), schema)
+
+
+def test_a_run_with_a_measured_backend_stores_rows_that_later_commands_recognise(tmp_path, make_job, monkeypatch):
+    """`runner run` gives its engines the measured backend but fingerprints the job as configured,
+    so status and distill (which never measure for a run) find its rows; the decision is stored."""
+    import sqlite3
+
+    from runner.engines.fake import FakeEngine
+    from runner.fingerprint import result_fingerprint
+    from runner.run import run_job
+    from runner.spec import load_job
+
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(grammar_choice, "measure", lambda m, s: {"xgrammar": 300.0, "guidance": 90.0})
+    job = load_job(make_job(rows=6, engine={"structured_output_backend": "measure"}))
+    seen = []
+    run_job(job, engine_factory=lambda j: seen.append(j.engine.structured_output_backend) or FakeEngine(j.output_schema))
+    con = sqlite3.connect(job.database_path)
+    stored = {r[0] for r in con.execute("SELECT fingerprint FROM results")}
+    choice = json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])["grammar"]
+    assert seen == ["guidance"] and choice["backend"] == "guidance"
+    assert stored == {result_fingerprint(load_job(job.path))[0]}
+    again = run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
+    assert again.rows_skipped == 6  # nothing redone

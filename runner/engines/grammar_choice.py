@@ -10,8 +10,9 @@ on both machines, so the runner replays one valid output of the job's schema thr
 the cheaper: xgrammar (vLLM's default) unless llguidance costs under PREFER_SHARE of it. The choice
 is cached per schema, tokenizer, library versions and CPU under the runner's cache folder: it costs
 ~2-3 s (loading the tokenizer, compiling both grammars) once, not every night. `runner run`
-decides once for all its engines (runner/engines/vllm_settings.py: job_with_grammar), and the
-result fingerprint and the calibration key include the outcome (runner/fingerprint.py).
+decides once for all its engines (runner/engines/vllm_settings.py: job_with_grammar); the
+calibration key includes the outcome, the result fingerprint only a backend a config names
+(runner/fingerprint.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Any, Callable, Optional
 
 PREFER_SHARE = 0.8  # llguidance replaces xgrammar only below this share of its cost per token
 BATCH = 8  # masks filled per step while measuring: as the engine core fills them, one after another
-REPEATS = 3  # timed passes; the fastest counts (a pass slowed by other work on the machine does not)
+REPEATS = 3  # timed passes a backend; the fastest counts (a pass slowed by other work does not)
 SEPARATORS = (",", ":")  # compact JSON, as the runner asks vLLM for (disable_any_whitespace)
 METHOD = 2  # bump when the example or the timing changes: cached choices are then measured again
 BACKENDS = ("xgrammar", "guidance")
@@ -98,7 +99,7 @@ def example_output(schema: Any) -> Any:
         text = (_WORDS * (1 + int(hi) // len(_WORDS)))[: int(hi)].rstrip()
         return text.ljust(int(lo), "x")
     if kind in ("number", "integer"):
-        lo, hi = _bounds(schema, "minimum", "maximum", 42, 42)
+        lo, hi = _bounds(schema, "minimum", "maximum", -math.inf, math.inf)
         value = min(max(42, lo), hi)
         if kind == "integer":
             value = math.ceil(value)
@@ -110,36 +111,35 @@ def example_output(schema: Any) -> Any:
     raise NoExample(f"type {kind!r}")
 
 
-def _cost(fill: Callable[[int], None], accept: Callable[[int, int], bool], reset: Callable[[], None],
-          token_ids: list[int], batch: int) -> float:
-    """Microseconds a request-token, the fastest of REPEATS passes: each step fills `batch` masks,
-    then each matcher takes the token."""
-    best = float("inf")
-    for _ in range(REPEATS):
-        reset()
-        t0 = time.perf_counter()
-        for tid in token_ids:
-            for i in range(batch):
-                fill(i)
-            for i in range(batch):
-                if not accept(i, tid):
-                    raise NoExample("the grammar refused the example output")
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6 / (len(token_ids) * batch)
+MAX_TOKENS = 1000  # of the example replayed: a huge maxLength must not make the measurement long
 
 
-def _xgrammar(tok, schema_json: str, ids: list[int], batch: int) -> float:
+def _one_pass(fill: Callable[[int], None], accept: Callable[[int, int], bool], reset: Callable[[], None],
+              token_ids: list[int], batch: int) -> float:
+    """Seconds of one pass: each step fills `batch` masks, then each matcher takes the token."""
+    reset()
+    t0 = time.perf_counter()
+    for tid in token_ids:
+        for i in range(batch):
+            fill(i)
+        for i in range(batch):
+            if not accept(i, tid):
+                raise NoExample("the grammar refused the example output")
+    return time.perf_counter() - t0
+
+
+def _xgrammar(tok, schema_json: str, ids: list[int], batch: int) -> Callable[[], float]:
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
     compiled = xgr.GrammarCompiler(info).compile_json_schema(schema_json, any_whitespace=False, separators=SEPARATORS)
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
     mask = xgr.allocate_token_bitmask(batch, info.vocab_size)
-    return _cost(lambda i: matchers[i].fill_next_token_bitmask(mask, i), lambda i, t: matchers[i].accept_token(t),
-                 lambda: [m.reset() for m in matchers], ids, batch)
+    return lambda: _one_pass(lambda i: matchers[i].fill_next_token_bitmask(mask, i),
+                             lambda i, t: matchers[i].accept_token(t), lambda: [m.reset() for m in matchers], ids, batch)
 
 
-def _guidance(tok, schema_json: str, ids: list[int], batch: int) -> float:
+def _guidance(tok, schema_json: str, ids: list[int], batch: int) -> Callable[[], float]:
     import llguidance
     import llguidance.hf
     import llguidance.torch
@@ -148,17 +148,25 @@ def _guidance(tok, schema_json: str, ids: list[int], batch: int) -> float:
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_json, defaults={"whitespace_flexible": False})
     matchers = [llguidance.LLMatcher(lltok, grammar) for _ in range(batch)]
     mask = llguidance.torch.allocate_token_bitmask(batch, lltok.vocab_size)
-    return _cost(lambda i: llguidance.torch.fill_next_token_bitmask(matchers[i], mask, i),
-                 lambda i, t: matchers[i].consume_token(t), lambda: [m.reset() for m in matchers], ids, batch)
+    return lambda: _one_pass(lambda i: llguidance.torch.fill_next_token_bitmask(matchers[i], mask, i),
+                             lambda i, t: matchers[i].consume_token(t), lambda: [m.reset() for m in matchers],
+                             ids, batch)
 
 
 def backend_costs(tok, schema: dict, batch: int = BATCH) -> dict[str, float]:
     """Each backend's cost a request-token (µs) on one example output of `schema` (NoExample if
-    none), with `tok` a Hugging Face tokenizer."""
-    ids = tok.encode(json.dumps(example_output(schema), separators=SEPARATORS), add_special_tokens=False)
+    none), with `tok` a Hugging Face tokenizer: the fastest of REPEATS passes each, the backends'
+    passes alternating, so that other work on the machine (vLLM importing in another thread while
+    `runner run` measures) weighs on both alike."""
+    text = json.dumps(example_output(schema), separators=SEPARATORS)
+    ids = tok.encode(text, add_special_tokens=False)[:MAX_TOKENS]
     schema_json = json.dumps(schema)
-    return {"xgrammar": round(_xgrammar(tok, schema_json, ids, batch), 2),
-            "guidance": round(_guidance(tok, schema_json, ids, batch), 2)}
+    passes = {"xgrammar": _xgrammar(tok, schema_json, ids, batch), "guidance": _guidance(tok, schema_json, ids, batch)}
+    best = {name: math.inf for name in passes}
+    for _ in range(REPEATS):
+        for name, one in passes.items():
+            best[name] = min(best[name], one())
+    return {name: round(t * 1e6 / (len(ids) * batch), 2) for name, t in best.items()}
 
 
 def measure(model_dir: Path, schema: dict) -> dict[str, float]:
@@ -240,9 +248,11 @@ def choose(model_dir: Path, schema: dict, cache_dir: Optional[Path] = None,
     except RunnerError:
         raise
     except NoExample as exc:
-        return GrammarChoice("xgrammar", {}, f"not measured ({exc}): vLLM's default")
-    except Exception as exc:  # a backend missing or failing: the default stays
-        return GrammarChoice("xgrammar", {}, f"not measured ({exc.__class__.__name__}: {exc}): vLLM's default")
+        _MEMO[key] = GrammarChoice("xgrammar", {}, f"not measured ({exc}): vLLM's default")
+        return _MEMO[key]
+    except Exception as exc:  # a backend missing or failing: the default stays (for this process)
+        _MEMO[key] = GrammarChoice("xgrammar", {}, f"not measured ({exc.__class__.__name__}: {exc}): vLLM's default")
+        return _MEMO[key]
     backend, reason = decide(costs)
     choice = _MEMO[key] = GrammarChoice(backend, costs, reason, round(time.perf_counter() - t0, 3))
     if path is not None:
