@@ -112,7 +112,7 @@ def test_ray_executor_results_equal_the_local_executor(make_job, tmp_path):
     ray_job = tmp_path / "ray.yaml"
     # The engine config asks for an engine-core process of its own; ray.engine_in_process keeps it
     # in the actor's process, as the stored settings show below.
-    ray_spec = spec | {"name": "t-ray", "output": {"database": "out/ray.sqlite"}}
+    ray_spec = spec | {"name": "t-ray", "output": spec["output"] | {"database": "out/ray.sqlite"}}  # same exit rule
     ray_spec["engine"] = ray_spec["engine"] | {"in_process": False}
     ray_spec["ray"] = ray_spec["ray"] | {"engine_in_process": True}
     ray_job.write_text(yaml.safe_dump(ray_spec))
