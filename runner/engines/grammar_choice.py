@@ -9,10 +9,10 @@ and 8.7 µs on the H200 machine's; llguidance 1.7.6 costs 90-100 µs on both. No
 on both machines, so the runner replays one valid output of the job's schema through both and keeps
 the cheaper: xgrammar (vLLM's default) unless llguidance costs under PREFER_SHARE of it. The choice
 is cached per schema, tokenizer, library versions and CPU under the runner's cache folder: it costs
-~2-3 s (loading the tokenizer, compiling both grammars) once, not every night. `runner run`
-decides once for all its engines (runner/engines/vllm_settings.py: job_with_grammar); the
-calibration key includes the outcome, the result fingerprint only a backend a config names
-(runner/fingerprint.py).
+2-9 s on this project's CPU (loading the tokenizer, compiling both grammars, 3 passes each) once,
+not every night. `runner run` decides once for all its engines (runner/engines/vllm_settings.py:
+job_with_grammar); the calibration key includes the outcome, the result fingerprint only a
+backend a config names (runner/fingerprint.py).
 """
 from __future__ import annotations
 

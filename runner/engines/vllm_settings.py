@@ -85,8 +85,9 @@ def resolve_grammar(cfg: EngineConfig, model_path: Path, schema: dict) -> tuple[
 
 def job_with_grammar(job) -> tuple[Any, Optional[dict]]:
     """The job with `structured_output_backend: measure` resolved once for a whole run, so that
-    every engine (calibration's, Ray's replicas) runs the backend that the result fingerprint and
-    the calibration key were made with; and how it was decided (None: the config names one)."""
+    every engine (calibration's, Ray's replicas) runs the backend the calibration key was made with
+    (the result fingerprint keeps `measure` as configured); and how it was decided (None: the
+    config names one)."""
     engine, choice = resolve_grammar(job.engine, job.model_path, job.output_schema)
     if choice is None:
         return job, None
