@@ -67,8 +67,6 @@ def grammar_backend(job) -> str:
     """The guided-decoding backend the job's engines run: `measure` resolved (cached; see
     runner/engines/grammar_choice.py). The backends cost differently: the calibration key depends
     on it."""
-    if job.engine.structured_output_backend != "measure":
-        return job.engine.structured_output_backend
     from runner.engines.vllm_settings import resolve_grammar
 
     return resolve_grammar(job.engine, job.model_path, job.output_schema)[0].structured_output_backend

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 PREFER_SHARE = 0.8  # llguidance replaces xgrammar only below this share of its cost per token
 BATCH = 8  # masks filled per step while measuring: as the engine core fills them, one after another
+MAX_TOKENS = 1000  # of the example replayed: a huge maxLength must not make the measurement long
 REPEATS = 3  # timed passes a backend; the fastest counts (a pass slowed by other work does not)
 SEPARATORS = (",", ":")  # compact JSON, as the runner asks vLLM for (disable_any_whitespace)
 METHOD = 2  # bump when the example or the timing changes: cached choices are then measured again
@@ -109,9 +110,6 @@ def example_output(schema: Any) -> Any:
     if kind == "boolean":
         return True
     raise NoExample(f"type {kind!r}")
-
-
-MAX_TOKENS = 1000  # of the example replayed: a huge maxLength must not make the measurement long
 
 
 def _one_pass(fill: Callable[[int], None], accept: Callable[[int, int], bool], reset: Callable[[], None],
