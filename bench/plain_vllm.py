@@ -27,6 +27,10 @@ def main() -> None:
     ap.add_argument("--load-format", default=None, help="dummy: random weights from the config alone")
     ap.add_argument("--cpu", action="store_true", help="settings the CPU engine needs to start (KV cap, eager)")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--limit", type=int, default=None, help="only the first N rows (a warm-up)")
+    ap.add_argument("--backend", default="xgrammar", help="vLLM's structured-output backend")
+    ap.add_argument("--no-schema", action="store_true", help="free text: what the token masks cost")
+    ap.add_argument("--llm-kw", default="{}", help="JSON of extra LLM(...) arguments, for experiments")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
@@ -36,6 +40,7 @@ def main() -> None:
 
     t_read = time.perf_counter()
     rows = pq.read_table(a.input, columns=["doc_id", "text", "system_prompt"]).to_pylist()
+    rows = rows[: a.limit] if a.limit else rows
     if a.sorted:
         rows.sort(key=lambda r: r["system_prompt"])  # stable: input order inside each prompt
     chats = [[{"role": "system", "content": r["system_prompt"]}, {"role": "user", "content": r["text"]}] for r in rows]
@@ -43,18 +48,19 @@ def main() -> None:
     read_s = time.perf_counter() - t_read
 
     kw = dict(model=a.model, max_model_len=a.max_model_len, disable_log_stats=False,
-              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
+              structured_outputs_config={"backend": a.backend, "disable_any_whitespace": True})
     if a.num_gpu_blocks:
         kw["num_gpu_blocks_override"] = a.num_gpu_blocks
     if a.load_format:
         kw["load_format"] = a.load_format
     if a.cpu:  # the CPU engine refuses to start with its default memory fraction; same KV as the runner
         kw |= {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "block_size": 32}
+    kw |= json.loads(a.llm_kw)
     t_load = time.perf_counter()
     llm = LLM(**kw)
     load_s = time.perf_counter() - t_load
-    params = SamplingParams(temperature=0, max_tokens=a.max_tokens, seed=0,
-                            structured_outputs=StructuredOutputsParams(json=schema))
+    guided = None if a.no_schema else StructuredOutputsParams(json=schema)
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens, seed=0, structured_outputs=guided)
     t0 = time.perf_counter()
     outs = llm.chat(chats, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
