@@ -12,7 +12,7 @@ import pytest
 from bench.workload import WORKLOADS
 from runner.engine_config import EngineConfig
 from runner.engines import grammar_choice
-from runner.engines.grammar_choice import NoExample, choose, decide, example_output
+from runner.engines.grammar_choice import GrammarChoice, NoExample, choose, decide, example_output
 from runner.engines.vllm_settings import llm_kwargs, resolve_grammar
 from tests.conftest import SCHEMA
 
@@ -205,3 +205,54 @@ def test_a_run_with_a_measured_backend_stores_rows_that_later_commands_recognise
     assert stored == {result_fingerprint(load_job(job.path))[0]}
     again = run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
     assert again.rows_skipped == 6  # nothing redone
+
+
+def test_measuring_never_starts_cuda_in_the_runners_process(tiny_model_dir, monkeypatch):
+    """vLLM forks its engine core from this process after the measurement: had the measurement asked
+    CUDA anything here (importing xgrammar asks torch.cuda.is_available(); llguidance pins its mask),
+    the forked engine core could not use the GPU. Any CUDA query counts, answered or not."""
+    import torch
+
+    asked = []
+    for name in ("is_available", "device_count", "init", "current_device", "_lazy_init"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: asked.append(_n) or False)
+    costs = grammar_choice.measure(tiny_model_dir, SCHEMA)
+    assert set(costs) == {"xgrammar", "guidance"} and all(v > 0 for v in costs.values())
+    assert asked == []
+
+
+def test_a_measuring_process_that_fails_leaves_the_default_and_says_why(tmp_path, monkeypatch):
+    """A model folder without a tokenizer: the child fails, the run goes on with xgrammar."""
+    (tmp_path / "config.json").write_text("{}")
+    choice = choose(tmp_path, SCHEMA, tmp_path / "grammar")
+    assert choice.backend == "xgrammar" and "the measuring process failed" in choice.reason
+    assert not (tmp_path / "grammar").exists()  # not cached: measured again next time
+
+
+def test_what_the_child_prints_besides_its_result_line_is_ignored_and_a_bad_result_is_a_failure(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """Libraries may print to stdout after the result; a result of the wrong shape, or none, leaves
+    xgrammar for this process (not cached) instead of crashing the run."""
+    import subprocess
+
+    def child_prints(out: str, rc: int = 0) -> GrammarChoice:
+        monkeypatch.setattr(grammar_choice.subprocess, "run",
+                            lambda args, **kw: subprocess.CompletedProcess(args, rc, out, "a warning\n"))
+        grammar_choice._MEMO.clear()
+        return choose(tiny_model_dir, SCHEMA, tmp_path / "grammar")
+
+    for bad in ("a C library's notice\n", 'GRAMMAR_COSTS {"xgrammar": 1.0}\n', "GRAMMAR_COSTS [1, 2]\n"):
+        choice = child_prints(bad)
+        assert choice.backend == "xgrammar" and "the measuring process" in choice.reason, bad
+    assert not (tmp_path / "grammar").exists()
+    good = child_prints('noise\nGRAMMAR_COSTS {"xgrammar": 300.0, "guidance": 90.0}\nmore noise\n')
+    assert good.backend == "guidance" and good.us_per_token == {"xgrammar": 300.0, "guidance": 90.0}
+
+
+def test_vllm_is_started_with_cuda_checks_that_leave_cuda_alone(monkeypatch):
+    """torch.cuda.is_available() asks NVML, not CUDA, in the runner's process: vLLM's frontend
+    imports xgrammar (which asks) before a later engine forks its core."""
+    from runner.engines.vllm_settings import offline_environment
+
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    assert offline_environment(False)["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"

@@ -9,10 +9,11 @@ and 8.7 µs on the H200 machine's; llguidance 1.7.6 costs 90-100 µs on both. No
 on both machines, so the runner replays one valid output of the job's schema through both and keeps
 the cheaper: xgrammar (vLLM's default) unless llguidance costs under PREFER_SHARE of it. The choice
 is cached per schema, tokenizer, library versions and CPU under the runner's cache folder: it costs
-2-9 s on this project's CPU (loading the tokenizer, compiling both grammars, 3 passes each) once,
-not every night. `runner run` decides once for all its engines (runner/engines/vllm_settings.py:
-job_with_grammar); the calibration key includes the outcome, the result fingerprint only a
-backend a config names (runner/fingerprint.py).
+2-9 s on this project's CPU (loading the tokenizer, compiling both grammars, 3 passes each, in a
+child process that never touches the GPU: see `measure`) once, not every night; on the H200 host it
+ran while vLLM imported and added nothing to the first run's start. `runner run` decides once for
+all its engines (runner/engines/vllm_settings.py: job_with_grammar); the calibration key includes
+the outcome, the result fingerprint only a backend a config names (runner/fingerprint.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import hashlib
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +32,8 @@ PREFER_SHARE = 0.8  # llguidance replaces xgrammar only below this share of its 
 BATCH = 8  # masks filled per step while measuring: as the engine core fills them, one after another
 MAX_TOKENS = 1000  # of the example replayed: a huge maxLength must not make the measurement long
 REPEATS = 3  # timed passes a backend; the fastest counts (a pass slowed by other work does not)
+CHILD_TIMEOUT_S = 120  # the measuring child: loading a tokenizer and compiling two grammars takes seconds
+RESULT = "GRAMMAR_COSTS "  # the child's result line (libraries may print to stdout too)
 SEPARATORS = (",", ":")  # compact JSON, as the runner asks vLLM for (disable_any_whitespace)
 METHOD = 2  # bump when the example or the timing changes: cached choices are then measured again
 BACKENDS = ("xgrammar", "guidance")
@@ -168,8 +173,37 @@ def backend_costs(tok, schema: dict, batch: int = BATCH) -> dict[str, float]:
 
 
 def measure(model_dir: Path, schema: dict) -> dict[str, float]:
-    """backend_costs with the model folder's tokenizer."""
-    example_output(schema)  # NoExample before seconds of loading the tokenizer
+    """backend_costs with the model folder's tokenizer, in a child process that sees no GPU.
+    Not in this one: importing xgrammar asks torch.cuda.is_available() (through tvm_ffi) and
+    llguidance pins its mask, which start CUDA here, and vLLM then forks an engine core that cannot
+    use the GPU ("CUDA error: initialization error": the first `runner run` on an H200 failed so)."""
+    example_output(schema)  # NoExample before seconds of starting the child
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": _child_path()}
+    # -P: the working directory's own `runner` (another checkout) must not stand in for this one
+    proc = subprocess.run([sys.executable, "-P", "-m", "runner.engines.grammar_choice", str(model_dir)],
+                          input=json.dumps(schema), capture_output=True, text=True, errors="replace",
+                          env=env, timeout=CHILD_TIMEOUT_S)
+    found = [ln[len(RESULT):] for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+    if proc.returncode != 0 or not found:
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}, no result"])[-1]
+        raise RuntimeError(f"the measuring process failed: {last}")
+    costs = json.loads(found[-1])
+    if not (isinstance(costs, dict) and all(isinstance(costs.get(b), (int, float)) for b in BACKENDS)):
+        raise RuntimeError(f"the measuring process returned {found[-1][:200]!r}")
+    return {b: float(costs[b]) for b in BACKENDS}
+
+
+def _child_path() -> str:
+    """PYTHONPATH for the child: this checkout's folder ahead of the caller's, unless the package is
+    installed (site-packages ahead of the standard library could shadow it)."""
+    root = Path(__file__).resolve().parents[2]
+    parts = [os.environ.get("PYTHONPATH", "")]
+    if root.name not in ("site-packages", "dist-packages"):
+        parts.insert(0, str(root))
+    return os.pathsep.join(p for p in parts if p)
+
+
+def _measure_here(model_dir: Path, schema: dict) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     return backend_costs(AutoTokenizer.from_pretrained(str(model_dir)), schema)
@@ -243,6 +277,7 @@ def choose(model_dir: Path, schema: dict, cache_dir: Optional[Path] = None,
     t0 = time.perf_counter()
     try:
         costs = (measure_fn or measure)(model_dir, schema)
+        backend, reason = decide(costs)
     except RunnerError:
         raise
     except NoExample as exc:
@@ -251,8 +286,11 @@ def choose(model_dir: Path, schema: dict, cache_dir: Optional[Path] = None,
     except Exception as exc:  # a backend missing or failing: the default stays (for this process)
         _MEMO[key] = GrammarChoice("xgrammar", {}, f"not measured ({exc.__class__.__name__}: {exc}): vLLM's default")
         return _MEMO[key]
-    backend, reason = decide(costs)
     choice = _MEMO[key] = GrammarChoice(backend, costs, reason, round(time.perf_counter() - t0, 3))
     if path is not None:
         _write_cached(path, choice)
     return choice
+
+
+if __name__ == "__main__":  # the child process of `measure`: the schema on stdin, the costs on stdout
+    print(RESULT + json.dumps(_measure_here(Path(sys.argv[1]), json.loads(sys.stdin.read()))), flush=True)

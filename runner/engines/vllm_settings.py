@@ -1,11 +1,14 @@
-"""What vLLM is started with: its environment and vllm.LLM's keyword arguments."""
+"""What vLLM is started with (its environment and vllm.LLM's keyword arguments), and the counters
+read back from its metrics."""
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from runner.engine_config import EngineConfig, SpeculativeSpec
+from runner.engines.base import EngineCounters
 from runner.models import cache_root
 
 if TYPE_CHECKING:
@@ -26,6 +29,9 @@ def offline_environment(in_process: bool) -> dict[str, str]:
         "VLLM_CACHE_ROOT": str(cache_root() / "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": str(cache_root() / "inductor"),
         "VLLM_LOGGING_LEVEL": "WARNING",
+        # torch.cuda.is_available() (which importing xgrammar calls, in vLLM's frontend too) asks NVML
+        # instead of starting CUDA here, which a later engine's forked core could not use
+        "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
     }
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     return env | {k: v for k, v in defaults.items() if k not in os.environ}
@@ -118,3 +124,30 @@ def llm_kwargs(cfg: EngineConfig, model_path: Path, seed: int | None) -> dict[st
     if seed is not None:
         kw["seed"] = seed
     return kw | cfg.extra_args
+
+
+_COUNTERS = {
+    "vllm:prompt_tokens": "prompt_tokens",
+    "vllm:generation_tokens": "generation_tokens",
+    "vllm:prefix_cache_queries": "prefix_cache_queries",
+    "vllm:prefix_cache_hits": "prefix_cache_hits",
+    "vllm:spec_decode_num_drafts": "spec_drafts",
+    "vllm:spec_decode_num_draft_tokens": "spec_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "spec_accepted_tokens",
+    "vllm:num_preemptions": "preemptions",
+}
+
+
+def engine_counters(metrics) -> EngineCounters:
+    """The runner's counters from vLLM's metrics (LLM.get_metrics())."""
+    totals = EngineCounters()
+    for m in metrics:
+        name = _COUNTERS.get(m.name)
+        value = getattr(m, "value", None)
+        if name and isinstance(value, (int, float)):
+            setattr(totals, name, getattr(totals, name) + int(value))
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            per_pos = list(getattr(m, "values", []) or [])
+            totals.spec_accepted_per_pos = [a + b for a, b in
+                                            itertools.zip_longest(totals.spec_accepted_per_pos, per_pos, fillvalue=0)]
+    return totals
