@@ -152,6 +152,7 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "no_warm": ({"speculative": None, "warm_prefix": False}, {}),
         "peaks_only": ({"speculative": None, "kv_projection": False}, {}),
         "no_pacing": ({"kv_pacing": False}, {}),
+        "nowave": ({"admission_waves": False}, {}),
         "xgrammar": ({"structured_output_backend": "xgrammar"}, {}),
         "guidance": ({"structured_output_backend": "guidance"}, {}),
         "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),
@@ -178,6 +179,11 @@ def engine_settings(a) -> dict:
     return {k.strip(): yaml.safe_load(v) for k, v in pairs}
 
 
+def reuses_first_run(t: Task) -> bool:
+    """A runner configuration that starts from the calibration its case's first run stored."""
+    return t.config not in ("runner_first", "plain", "sorted")
+
+
 def runner_command(a, t: Task, d: Path, seeds: dict) -> list[str]:
     w = workload_dir(a, t)
     engine, job_over = runner_variant(t.config)
@@ -196,7 +202,7 @@ def runner_command(a, t: Task, d: Path, seeds: dict) -> list[str]:
            # Speed is measured whatever share of rows the model gets right (rows_valid records it).
            "output": {"database": "results.sqlite", "commit_every_rows": 256, "max_failed_fraction": 1.0}} | job_over
     (d / "job.yaml").write_text(yaml.safe_dump(job))
-    if t.config == "runner" and t.case in seeds:  # the calibration a first run of this case stored
+    if reuses_first_run(t) and t.case in seeds:  # the calibration a first run of this case stored
         shutil.copy(seeds[t.case], d / "results.sqlite")
     return [sys.executable, "-m", "runner.cli", "run", "--quiet", str(d / "job.yaml")]
 
@@ -289,7 +295,7 @@ def run_schedule(a, tasks: list[Task], deadline: Optional[float], on_done: Calla
     active: list[Task] = []
 
     def ready(t: Task) -> bool:
-        if t.config == "runner" and t.case not in seeds:  # wait for a first run to store its calibration
+        if reuses_first_run(t) and t.case not in seeds:  # wait for a first run to store its calibration
             if any(o.case == t.case and o.config == "runner_first" for o in pending + active):
                 return False
         if t.gpus > 1 and any(o.gpus == 1 and o.round <= t.round for o in pending):

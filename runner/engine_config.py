@@ -90,6 +90,9 @@ class EngineConfig(Strict):
     kv_pacing: bool = Field(default=True, description=(
         "where the KV cache binds and outputs are about as long, spread admissions out so that waves "
         "of requests do not finish (and peak) together"))
+    admission_waves: bool = Field(default=True, description=(
+        "where the KV cache binds, let admissions wait to go in together when a step that prefills "
+        "costs more than one that only decodes (measured while running)"))
     warm_prefix: bool = Field(default=True, description="send a group's first request alone, then the rest")
     max_in_flight: Optional[int] = Field(
         default=None, ge=1, description="requests kept queued in the engine; default 4 x max_num_seqs"

@@ -205,3 +205,15 @@ def test_calibrate_job_stores_a_choice_and_no_results(make_job):
     started.clear()
     run_job(job, engine_factory=factory, clock=lambda: clock.now)
     assert started == [4] and calibration(job.database_path)["reused_calibration_id"] == 1
+
+
+def test_admission_waves_on_or_off_keep_the_stored_calibration(make_job):
+    """Waves only pace when requests go in: the calibration key (and so a stored choice) is the same
+    with them on or off, and with the setting left out, as in jobs written before it existed."""
+    from runner.fingerprint import calibration_key
+
+    keys = [calibration_key(load_job(make_job(engine=engine)), ["a"])
+            for engine in ({}, {"admission_waves": True}, {"admission_waves": False})]
+    assert keys[0] == keys[1] == keys[2]
+    other = calibration_key(load_job(make_job(engine={"kv_pacing": False})), ["a"])
+    assert other != keys[0]  # other engine settings still count

@@ -223,6 +223,32 @@ def test_real_outputs_of_one_length_are_paced(make_job, tmp_path):
     assert kv["pace_waits"] > 0 and preemptions == 0 and kv["preemptions_seen"] == 0
 
 
+def test_real_admission_waves_hold_and_every_row_is_stored_once(make_job, tmp_path):
+    """A wave of 3 forced from the start (a CPU run is too short for the fit to decide one) under a
+    cache that holds fewer requests than max_num_seqs: admissions wait for the wave, and every row
+    is still stored once, with no preemption."""
+    import subprocess
+    import sys
+
+    engine = {"num_gpu_blocks_override": 40, "max_num_seqs": 8, "speculative": None}
+    job = make_job(rows=24, engine=engine)
+    force = ("import runner.engines.cadence as c\n"
+             "init = c.Cadence.__init__\n"
+             "def wave3(self, *a, **k):\n    init(self, *a, **k)\n    self.wave = 3\n"
+             "c.Cadence.__init__ = wave3\n"
+             "import runner.cli\n"
+             "runner.cli.main()\n")
+    result = subprocess.run([sys.executable, "-c", force, "run", "--quiet", str(job)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == ""
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT count(*), count(DISTINCT row_id) FROM results").fetchone() == (24, 24)
+    preemptions, choice = con.execute("SELECT preemptions, engine_choice_json FROM run_stats").fetchone()
+    kv = json.loads(choice)["engines"][0]
+    assert kv["wave"] == 3 and kv["wave_holds"] > 0 and preemptions == 0
+
+
 def test_real_verify_then_distill_a_draft_and_calibrate_with_it(make_job, tmp_path):
     """runner verify compares greedy outputs with and without ngram drafts on real vLLM; a job's
     outputs then train a 2-layer draft that vLLM runs as a calibration candidate."""

@@ -1,10 +1,9 @@
 """KV-cache admission control: never queue more work than the KV cache can hold.
 
-vLLM admits a waiting request whenever its prompt fits in the free blocks; when decoding later
-runs out of blocks it preempts a running request and recomputes it from scratch. Under a tight
-KV cache that recomputation eats the throughput. The runner therefore admits a request only while
-the blocks that admitted requests will need (their unshared prompt plus their output) fit in the
-cache, and shrinks that budget whenever vLLM still reports a preemption.
+vLLM admits a waiting request whenever its prompt fits in the free blocks and preempts (and
+recomputes) one when decoding runs out: under a tight cache that eats the throughput. The runner
+admits a request only while the blocks admitted requests will need (unshared prompt plus output)
+fit, and shrinks that budget whenever vLLM still reports a preemption.
 
 Two tests, cheap first: the sum of every request's peak fits (always true with a roomy cache);
 else the projected peak fits. Requests admitted earlier finish earlier, so the cache never holds
@@ -22,10 +21,9 @@ simulator, fully correlated cost 10-18% more steps where lengths were independen
 there and cut preemptions by 40-60% where whole groups ran to max_tokens
 (bench/results/2026-11-30-cpu-2core-admission-sim-review.json). A preemption is the backstop.
 
-A preemption (vLLM ran out of blocks anyway) shrinks the budget by 15%, down to 70% of the cache,
-and the budget grows back by 1% of the cache every 16 steps without one: outputs that run long
-together (rows of one group) are a passing state, and a budget that only shrank ran up to 9x
-slower than plain vLLM in the simulator once a few such groups had passed.
+A preemption shrinks the budget by 15%, down to 70% of the cache; it grows back by 1% every 16
+steps without one (outputs that run long together pass; a budget that only shrank ran up to 9x
+slower than plain vLLM in the simulator).
 
 Pacing: requests admitted together finish together when their outputs are about as long (a
 schema with bounded fields; a model that always runs to max_tokens), and then hold their peaks
@@ -183,6 +181,9 @@ class KvBudget:
         self._bucket_step = self.step
         return self._bucket >= 1
 
+    def pacing(self) -> bool:  # the pace spreads admissions out now (see _pace_allows)
+        return self._bucket is not None
+
     def uniform_outputs(self) -> bool:
         """Recent outputs about as long as each other (10th percentile >= 3/4 of the 90th): the
         case in which admitted waves stay together. Unknown until enough rows finished."""
@@ -289,17 +290,10 @@ class KvBudget:
             self._shrunk_at = self.step
 
     def describe(self) -> dict:
-        spread = self.lengths.spread()
-        return {
-            "kv_total_blocks": self.total_blocks,
-            "kv_budget_blocks": self.budget,
-            "kv_block_tokens": self.block_tokens,
-            "output_tokens_estimate": (self.lengths.total / self.lengths.count) if self.lengths.count else None,
-            # the recent cohort's spread: what the projection draws lengths from
-            "output_tokens_p10_p50_p90": list(spread[:3]) if spread else None,
-            "preemptions_seen": self.preemptions_seen,
-            "admissions_deferred": self.deferred,
-            "admitted_by_projection": self.admitted_over_peaks,
-            "pace_waits": self.pace_waits,
-            "max_admitted": self.max_admitted,
-        }
+        spread = self.lengths.spread()  # the recent cohort's: what the projection draws lengths from
+        return {"kv_total_blocks": self.total_blocks, "kv_budget_blocks": self.budget, "kv_block_tokens": self.block_tokens,
+                "output_tokens_estimate": (self.lengths.total / self.lengths.count) if self.lengths.count else None,
+                "output_tokens_p10_p50_p90": list(spread[:3]) if spread else None,
+                "preemptions_seen": self.preemptions_seen, "admissions_deferred": self.deferred,
+                "admitted_by_projection": self.admitted_over_peaks, "pace_waits": self.pace_waits,
+                "max_admitted": self.max_admitted}

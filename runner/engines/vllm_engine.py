@@ -16,7 +16,7 @@ from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
 from runner.engines.feed import Admitted, Feed
-from runner.engines.vllm_settings import llm_kwargs, offline_environment, resolve_grammar
+from runner.engines.vllm_settings import engine_counters, llm_kwargs, offline_environment, resolve_grammar
 from runner.errors import EngineError, ModelError, RunnerError, SpecError
 from runner.models import is_model_dir
 from runner.spec import SamplingSpec
@@ -24,17 +24,6 @@ from runner.spec import SamplingSpec
 # How often vLLM's engine-wide preemption counter is read (a metrics scan); per-request preemption
 # counts are not reported by every version (none on vLLM 0.26).
 PREEMPTION_CHECK_S = 1.0
-
-_COUNTERS = {
-    "vllm:prompt_tokens": "prompt_tokens",
-    "vllm:generation_tokens": "generation_tokens",
-    "vllm:prefix_cache_queries": "prefix_cache_queries",
-    "vllm:prefix_cache_hits": "prefix_cache_hits",
-    "vllm:spec_decode_num_drafts": "spec_drafts",
-    "vllm:spec_decode_num_draft_tokens": "spec_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "spec_accepted_tokens",
-    "vllm:num_preemptions": "preemptions",
-}
 
 
 def sampling_params(sampling: SamplingSpec, max_tokens: int, retry: bool = False, **fixed):
@@ -88,7 +77,8 @@ class VllmEngine(Engine):
                                project=cfg.kv_projection and not isinstance(cfg.speculative, SpeculativeSpec),
                                pace=cfg.kv_pacing, shared_prefixes=cfg.enable_prefix_caching)
         max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
-        self.feed = Feed(self.budget, max_in_flight, max(32, cfg.max_num_seqs // 4), cfg.warm_prefix, time.perf_counter)
+        self.feed = Feed(self.budget, max_in_flight, max(32, cfg.max_num_seqs // 4), cfg.warm_prefix, time.perf_counter,
+                         waves=cfg.admission_waves and cfg.kv_admission)
         self._params: dict[tuple[int, bool, bool], Any] = {}
         self._ids = itertools.count()
         self._internal: dict[str, str] = {}  # some versions report an internal request id in outputs
@@ -204,6 +194,7 @@ class VllmEngine(Engine):
                                  streamed)
             self.feed.finished(rid, c.completion_tokens)
             done.append(c)
+        self.feed.stepped()
         if metrics is not None:  # after this step's finished requests left, as their blocks did in vLLM
             self._sample_kv(metrics)
         return done
@@ -215,7 +206,7 @@ class VllmEngine(Engine):
             return None
         self._last_check = time.perf_counter()
         metrics = self.llm.get_metrics()
-        seen = self._totals(metrics).preemptions
+        seen = engine_counters(metrics).preemptions
         if seen > self._preempted:
             self.budget.on_preemption()
         self._preempted = seen
@@ -263,21 +254,7 @@ class VllmEngine(Engine):
         return min(self.cfg.max_num_seqs, fit or self.cfg.max_num_seqs)
 
     def counters(self) -> EngineCounters:
-        return self._totals(self.llm.get_metrics())
-
-    @staticmethod
-    def _totals(metrics) -> EngineCounters:
-        totals = EngineCounters()
-        for m in metrics:
-            name = _COUNTERS.get(m.name)
-            value = getattr(m, "value", None)
-            if name and isinstance(value, (int, float)):
-                setattr(totals, name, getattr(totals, name) + int(value))
-            elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-                per_pos = list(getattr(m, "values", []) or [])
-                totals.spec_accepted_per_pos = [a + b for a, b in
-                                                itertools.zip_longest(totals.spec_accepted_per_pos, per_pos, fillvalue=0)]
-        return totals
+        return engine_counters(self.llm.get_metrics())
 
     def adaptation(self) -> dict:
         """What the engine adapted while running (KV admission), and where the driver's time went."""
@@ -289,7 +266,7 @@ class VllmEngine(Engine):
                  "mean_held": round(self.loop["held_step_sum"] / steps, 1),
                  "mean_kv_usage": round(usage / n, 3) if n else None,
                  "mean_kv_counted": round(counted / n, 3) if n and self.budget.project else None}
-        return self.budget.describe() | {"start": self.start, "loop": loop}
+        return self.budget.describe() | self.feed.cadence.describe() | {"start": self.start, "loop": loop}
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
