@@ -1,8 +1,9 @@
 """Runs, results and stats in one SQLite file, through SQLAlchemy 2.0 Core.
 
 Tables come from the migrations (reflected, so the schema is written once). SQLite runs in WAL
-mode with synchronous=NORMAL and a busy timeout; each commit batch is one transaction, so a kill
-loses at most the batch in flight. The database must be on a local disk (WAL needs shared memory).
+mode with synchronous=NORMAL and a busy timeout (runner/store_sqlite.py); each commit batch is one
+transaction, so a kill loses at most the batch in flight. The database must be on a local disk
+(WAL needs shared memory).
 """
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ import json
 import os
 import socket
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from sqlalchemy import MetaData, create_engine, event, func, select, update
+from sqlalchemy import MetaData, func, select, update
 from sqlalchemy.dialects.sqlite import insert
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -23,8 +23,8 @@ from runner.errors import StoreError
 from runner.migrations import migrate, utc_now
 from runner.rows import RESULT_COLUMNS, ResultRow, StatsRow
 from runner.store_speculation import SpeculationRecords
+from runner.store_sqlite import BUSY_TIMEOUT_MS, DoneFilter, Transaction, short_error, sqlite_engine
 
-BUSY_TIMEOUT_MS = 30_000
 _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
                    f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
                    + ", ".join(f"{c} = excluded.{c}" for c in RESULT_COLUMNS if c not in ("job_name", "row_id")))
@@ -37,9 +37,7 @@ class Store(SpeculationRecords):
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.engine = create_engine(f"sqlite:///{self.path}")
-            event.listen(self.engine, "connect", _pragmas)
-            event.listen(self.engine, "begin", _begin)
+            self.engine = sqlite_engine(self.path)
             # One IMMEDIATE transaction takes the write lock first: every migration lands or none
             # does (a kill or a full disk leaves no half-made schema), and two processes creating
             # the same file take turns.
@@ -50,7 +48,7 @@ class Store(SpeculationRecords):
             meta = MetaData()
             meta.reflect(bind=self.engine)
         except (SQLAlchemyError, OSError) as exc:
-            raise StoreError(f"{self.path}: cannot open the results database: {_short(exc)}") from None
+            raise StoreError(f"{self.path}: cannot open the results database: {short_error(exc)}") from None
         except StoreError as exc:
             raise StoreError(f"{self.path}: {exc}") from None
         self.runs = meta.tables["runs"]
@@ -257,95 +255,5 @@ class Store(SpeculationRecords):
             for r in conn.execute(select(self.results).where(where).order_by(self.results.c.id)).mappings():
                 yield dict(r)
 
-    def _tx(self) -> "_Tx":
-        return _Tx(self.engine, self.path)
-
-
-class DoneFilter:
-    """Which of a batch of row ids a run skips (see Store.done_row_ids), asked of the database a
-    batch at a time on a read-only connection of its own: it runs in the input-reading thread, and
-    a million done ids never sit in memory."""
-
-    BATCH = 900  # under SQLite's smallest limit on bound parameters
-
-    def __init__(self, path: Path, job_name: str, fingerprint: str, ok_only: bool):
-        self.path, self.job_name, self.fingerprint = path, job_name, fingerprint
-        self.cond = "status = 'ok'" if ok_only else "(fingerprint = ? OR fingerprint IS NULL)"
-        self.ok_only = ok_only
-        self._con: Optional[sqlite3.Connection] = None
-
-    def __call__(self, ids: list[str]) -> set[str]:
-        if self._con is None:
-            self._con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000,
-                                        check_same_thread=False)
-        out: set[str] = set()
-        for start in range(0, len(ids), self.BATCH):
-            part = ids[start:start + self.BATCH]
-            args = [self.job_name, *part] + ([] if self.ok_only else [self.fingerprint])
-            out.update(r[0] for r in self._con.execute(
-                f"SELECT row_id FROM results WHERE job_name = ? AND row_id IN ({','.join('?' * len(part))}) "
-                f"AND {self.cond}", args))
-        return out
-
-    def close(self) -> None:
-        if self._con is not None:
-            self._con.close()
-            self._con = None
-
-
-class _Tx:
-    """engine.begin(), with database errors turned into StoreError naming the file."""
-
-    def __init__(self, engine, path):
-        self.engine, self.path = engine, path
-
-    def __enter__(self):
-        try:
-            self.ctx = self.engine.begin()
-            return self.ctx.__enter__()
-        except SQLAlchemyError as exc:
-            raise StoreError(f"{self.path}: {_short(exc)}") from None
-
-    def __exit__(self, et, ev, tb):
-        try:
-            suppressed = self.ctx.__exit__(et, ev, tb)
-        except SQLAlchemyError as exc:
-            raise StoreError(f"{self.path}: {_short(exc)}") from None
-        if isinstance(ev, SQLAlchemyError):
-            raise StoreError(f"{self.path}: {_short(ev)}") from None
-        return suppressed
-
-
-def _pragmas(dbapi_conn, _record) -> None:
-    # pysqlite commits on its own before DDL; with its transaction handling off, _begin emits BEGIN
-    # and SQLAlchemy's commit is the only one (SQLAlchemy's documented recipe for SQLite).
-    dbapi_conn.isolation_level = None
-    cur = dbapi_conn.cursor()
-    cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-    _wal(cur)
-    cur.execute("PRAGMA synchronous=NORMAL")
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.close()
-
-
-def _wal(cur) -> None:
-    """PRAGMA journal_mode=WAL, waited for: switching a file that another process is creating can
-    be refused at once ("database is locked"), busy timeout or not (1 in 15 runs of six processes
-    creating one database at once failed so)."""
-    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
-    while True:
-        try:
-            cur.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
-
-
-def _begin(conn) -> None:
-    conn.exec_driver_sql(conn.get_execution_options().get("sqlite_begin", "BEGIN"))
-
-
-def _short(exc: Exception) -> str:
-    return str(getattr(exc, "orig", None) or exc).splitlines()[0]
+    def _tx(self) -> Transaction:
+        return Transaction(self.engine, self.path)

@@ -1,0 +1,115 @@
+"""The SQLite connection under Store: pragmas (WAL, synchronous=NORMAL, a busy timeout, foreign
+keys), explicit BEGIN, transactions whose errors name the file, and the done-row filter that the
+input-reading thread asks on a connection of its own."""
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+from typing import Optional
+
+from sqlalchemy import create_engine, event
+from sqlalchemy.exc import SQLAlchemyError
+
+from runner.errors import StoreError
+
+BUSY_TIMEOUT_MS = 30_000
+
+
+def sqlite_engine(path: Path):
+    """A SQLAlchemy engine on the file, every connection set up by _pragmas, every transaction
+    begun by _begin (BEGIN, or what the connection's `sqlite_begin` option says)."""
+    engine = create_engine(f"sqlite:///{path}")
+    event.listen(engine, "connect", _pragmas)
+    event.listen(engine, "begin", _begin)
+    return engine
+
+
+class DoneFilter:
+    """Which of a batch of row ids a run skips (see Store.done_row_ids), asked of the database a
+    batch at a time on a read-only connection of its own: it runs in the input-reading thread, and
+    a million done ids never sit in memory."""
+
+    BATCH = 900  # under SQLite's smallest limit on bound parameters
+
+    def __init__(self, path: Path, job_name: str, fingerprint: str, ok_only: bool):
+        self.path, self.job_name, self.fingerprint = path, job_name, fingerprint
+        self.cond = "status = 'ok'" if ok_only else "(fingerprint = ? OR fingerprint IS NULL)"
+        self.ok_only = ok_only
+        self._con: Optional[sqlite3.Connection] = None
+
+    def __call__(self, ids: list[str]) -> set[str]:
+        if self._con is None:
+            self._con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000,
+                                        check_same_thread=False)
+        out: set[str] = set()
+        for start in range(0, len(ids), self.BATCH):
+            part = ids[start:start + self.BATCH]
+            args = [self.job_name, *part] + ([] if self.ok_only else [self.fingerprint])
+            out.update(r[0] for r in self._con.execute(
+                f"SELECT row_id FROM results WHERE job_name = ? AND row_id IN ({','.join('?' * len(part))}) "
+                f"AND {self.cond}", args))
+        return out
+
+    def close(self) -> None:
+        if self._con is not None:
+            self._con.close()
+            self._con = None
+
+
+class Transaction:
+    """engine.begin(), with database errors turned into StoreError naming the file."""
+
+    def __init__(self, engine, path):
+        self.engine, self.path = engine, path
+
+    def __enter__(self):
+        try:
+            self.ctx = self.engine.begin()
+            return self.ctx.__enter__()
+        except SQLAlchemyError as exc:
+            raise StoreError(f"{self.path}: {short_error(exc)}") from None
+
+    def __exit__(self, et, ev, tb):
+        try:
+            suppressed = self.ctx.__exit__(et, ev, tb)
+        except SQLAlchemyError as exc:
+            raise StoreError(f"{self.path}: {short_error(exc)}") from None
+        if isinstance(ev, SQLAlchemyError):
+            raise StoreError(f"{self.path}: {short_error(ev)}") from None
+        return suppressed
+
+
+def _pragmas(dbapi_conn, _record) -> None:
+    # pysqlite commits on its own before DDL; with its transaction handling off, _begin emits BEGIN
+    # and SQLAlchemy's commit is the only one (SQLAlchemy's documented recipe for SQLite).
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    _wal(cur)
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def _wal(cur) -> None:
+    """PRAGMA journal_mode=WAL, waited for: switching a file that another process is creating can
+    be refused at once ("database is locked"), busy timeout or not (1 in 15 runs of six processes
+    creating one database at once failed so)."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _begin(conn) -> None:
+    conn.exec_driver_sql(conn.get_execution_options().get("sqlite_begin", "BEGIN"))
+
+
+def short_error(exc: Exception) -> str:
+    return str(getattr(exc, "orig", None) or exc).splitlines()[0]
