@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.procs import install_handlers  # noqa: E402
-from bench.tasks import Task, make_tasks, run_schedule  # noqa: E402
+from bench.schedule import run_schedule  # noqa: E402
+from bench.tasks import Task, make_tasks  # noqa: E402
 
 DEFAULT_CASES = ("invoices/tight/135m=plain,sorted,runner_first,runner;invoices/roomy/135m=plain,runner;"
                  "invoices/tight/8b=plain,sorted,runner;incidents/tight/135m=plain,sorted,runner@2")

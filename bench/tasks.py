@@ -1,8 +1,7 @@
 """The benchmark's runs: what each one executes, where, and how its result is read back.
 
-A Task is one process: the plain-vLLM script or `runner run`. The scheduler runs tasks in order on
-free GPUs, one per GPU (several for multi-GPU configurations). The first run of each engine setup
-runs alone, so that two processes never fill vLLM's compile cache at once.
+A Task is one process: the plain-vLLM script or `runner run`; bench/schedule.py runs them on free
+GPUs.
 """
 from __future__ import annotations
 
@@ -12,11 +11,10 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import yaml
 
@@ -265,80 +263,3 @@ def execute(a, t: Task, seeds: dict, env: dict) -> dict:
             make_seed(d, seeds[t.case])
     return r | log_samples(log) | {"process_s": round(process_s, 2), "wall_documents_per_s": r["rows"] / process_s,
                                    "startup_log": startup}
-
-
-# -- scheduling -------------------------------------------------------------------------------
-def gpu_ids(a) -> list[str]:
-    if a.gpus != "auto":  # on the CPU: slots, to try multi-GPU configurations' code paths
-        return a.gpus.split(",")
-    if a.platform == "cpu":
-        return [""]
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True)
-    return [x.strip() for x in out.stdout.splitlines() if x.strip()] or ["0"]
-
-
-def run_schedule(a, tasks: list[Task], deadline: Optional[float], on_done: Callable[[], None]) -> None:
-    """Run tasks in order on free GPUs until done or past the deadline."""
-    import os
-
-    free, lock = gpu_ids(a), threading.Lock()
-    seeds: dict = {}
-    warm: set = set()  # compile keys whose first run finished
-    compiling: set = set()
-    pending = [t for t in tasks if t.gpus <= len(free)]
-    for t in tasks:
-        if t.gpus > len(free):
-            t.result = {"error": f"needs {t.gpus} GPUs; this machine has {len(free)}"}
-    running: list[threading.Thread] = []
-    t_start = time.monotonic()
-
-    active: list[Task] = []
-
-    def ready(t: Task) -> bool:
-        if reuses_first_run(t) and t.case not in seeds:  # wait for a first run to store its calibration
-            if any(o.case == t.case and o.config == "runner_first" for o in pending + active):
-                return False
-        if t.gpus > 1 and any(o.gpus == 1 and o.round <= t.round for o in pending):
-            return False  # a multi-GPU run waits for its round's single-GPU runs
-        return t.compile_key in warm or t.compile_key not in compiling
-
-    def work(t: Task, ids: list[str]) -> None:
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(ids), VLLM_LOGGING_LEVEL="INFO",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        try:
-            t.result = execute(a, t, seeds, env)
-        except Exception as exc:  # a timeout or a broken run: recorded, the plan goes on
-            t.result = {"error": f"{exc.__class__.__name__}: {exc}"}
-        with lock:
-            active.remove(t)
-            free.extend(ids)
-            compiling.discard(t.compile_key)
-            if "error" not in t.result:
-                warm.add(t.compile_key)
-            on_done()
-        print(f"{t.case} {t.config} r{t.round} gpu {t.gpu_ids}: " +
-              (f"{t.result['process_s']:.1f} s, {t.result['documents_per_s']:.1f} doc/s" if "error" not in t.result
-               else "ERROR " + t.result["error"].strip().splitlines()[-1][:200] if t.result["error"].strip() else "ERROR"),
-              file=sys.stderr, flush=True)
-
-    while True:
-        with lock:
-            running = [th for th in running if th.is_alive()]
-            if not pending and not running:
-                return
-            if deadline and time.monotonic() > deadline:
-                if not running:
-                    return
-            else:
-                for t in list(pending):
-                    if t.gpus <= len(free) and ready(t):
-                        ids = [free.pop(0) for _ in range(t.gpus)]
-                        pending.remove(t)
-                        active.append(t)
-                        if t.compile_key not in warm:
-                            compiling.add(t.compile_key)
-                        t.gpu_ids, t.started_s = ",".join(ids), round(time.monotonic() - t_start, 1)
-                        th = threading.Thread(target=work, args=(t, ids), daemon=True)
-                        th.start()
-                        running.append(th)
-        time.sleep(0.5)
