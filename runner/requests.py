@@ -1,20 +1,25 @@
-"""Documents to engine Requests: prompts rendered and tokenized a chunk of a group at a time.
+"""Documents to engine Requests: prompts rendered and tokenized a chunk of a group at a time, read,
+planned and built ahead of the engine in a thread (build_ahead).
 
 A row whose prompt cannot be built (a value its format spec does not fit, a chat template that
 refuses it, a prompt too long for the model) becomes a failed Completion here, never an exception.
 """
 from __future__ import annotations
 
+import itertools
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 from runner.engines import Completion, Request
 from runner.errors import ModelError, TemplateError
-from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound
+from runner.inputs import prefetch
+from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound, plan_stream
 from runner.prompting import Document, PromptBuilder
+from runner.readers import make_reader
 from runner.spec import Job
 
 TOKENIZE_CHUNK_ROWS = 64  # rows tokenized together: parallel in the tokenizer, small enough to start fast
+BUILT_AHEAD_CHUNKS = 32  # chunks of built requests waiting for the engine (2048 rows)
 
 
 class RequestBuilder:
@@ -76,3 +81,36 @@ class RequestBuilder:
         g.prompt_tokens += len(ids)
         g.cacheable_tokens += cacheable
         return Request(doc.row_id, group.key, ids, self.max_tokens, cacheable, shared_tokens=min(head, len(ids) - 1))
+
+
+def build_ahead(job: Job, rb: RequestBuilder, is_done: Optional[Callable[[list[str]], set[str]]],
+                 skip: set[int] = frozenset()):
+    """Read, skip done rows, plan and tokenize in a thread from now on, while the engine starts and
+    then while it generates: the driver's own work stays off the engine's critical path (the
+    tokenizer releases the GIL). At most BUILT_AHEAD_CHUNKS chunks wait, which bounds the token
+    ids held; done rows are asked of the database a batch at a time."""
+    documents = _timed(make_reader(job).documents(job.system_source, skip), rb)  # Ray starts here, not in the thread
+    if is_done is not None:
+        documents = _not_done(documents, is_done)
+    return prefetch(rb.stream(plan_stream(documents, job.spec.plan_window_rows)), BUILT_AHEAD_CHUNKS)
+
+
+def _timed(documents: Iterator[Document], rb: RequestBuilder) -> Iterator[Document]:
+    """The documents, adding the time spent reading them to rb.read_s."""
+    while True:
+        t0 = time.perf_counter()
+        doc = next(documents, None)
+        rb.read_s += time.perf_counter() - t0
+        if doc is None:
+            return
+        yield doc
+
+
+def _not_done(documents: Iterator[Document], is_done: Callable[[list[str]], set[str]], batch: int = 2048
+              ) -> Iterator[Document]:
+    while True:
+        chunk = list(itertools.islice(documents, batch))
+        if not chunk:
+            return
+        done = is_done([d.row_id for d in chunk])
+        yield from (d for d in chunk if d.row_id not in done)

@@ -7,7 +7,7 @@ Results are committed every `output.commit_every_rows` rows; a kill loses at mos
 """
 from __future__ import annotations
 
-import itertools
+import contextlib
 import json
 import signal
 import time
@@ -22,17 +22,15 @@ from runner.engines.speculation import Baseline, passes, setting_key, with_specu
 from runner.engines.vllm_settings import job_with_grammar
 from runner.errors import RunnerError
 from runner.fingerprint import calibration_key, changed_parts, digest, result_fingerprint
-from runner.inputs import InputScan, prefetch
+from runner.inputs import InputScan
 from runner.lock import JobLock
-from runner.plan import plan_stream
-from runner.prompting import Document, PromptBuilder, builder_for
-from runner.readers import LocalReader, make_reader
-from runner.requests import RequestBuilder
+from runner.prompting import PromptBuilder, builder_for
+from runner.readers import LocalReader
+from runner.requests import RequestBuilder, build_ahead
 from runner.rows import StatsRow, Status
 from runner.spec import Job
 from runner.store import DoneFilter, Store
 
-BUILT_AHEAD_CHUNKS = 32  # chunks of built requests waiting for the engine (2048 rows)
 
 
 @dataclass
@@ -95,6 +93,18 @@ def _raise_interrupted(signum, _frame):
     raise Interrupted(f"stopped by signal {signal.Signals(signum).name}; finished rows are stored, rerun to resume")
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM raises Interrupted from the first step on (a wait for the lock, the grammar's
+    measuring child, which subprocess.run then kills), not only once the run row exists: cron and
+    systemd see exit 130 and one Error: line rather than a bare death by signal."""
+    old = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def run_job(job: Job, engine_factory: Callable[[Job], Engine] = build_engine, options: Optional[RunOptions] = None,
             **kw) -> RunSummary:
     """Run a job to completion (or resume it). Raises RunnerError subclasses; never prints.
@@ -103,6 +113,11 @@ def run_job(job: Job, engine_factory: Callable[[Job], Engine] = build_engine, op
     schema, prompt, sampling...) run again and the old results move to results_history. Options:
     RunOptions, or its fields as keywords."""
     opts = options or RunOptions(**kw)
+    with _sigterm_interrupts():
+        return _run(job, engine_factory, opts)
+
+
+def _run(job: Job, engine_factory: Callable[[Job], Engine], opts: RunOptions) -> RunSummary:
     # Bad input or a missing model stops the run here, before anything is written.
     scan = LocalReader(job.input_path, job.spec.input).scan(keep_ids=True)  # the driver checks its input
     try:
@@ -142,7 +157,6 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
             opts.notify(f"{len(scan.skip):,} input rows left out (null or repeated ids; input.on_bad_row: store): "
                         f"see the rejected_rows table of {job.database_path}")
     ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
-    old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM,)}
     try:
         engines = EngineSequence(engine_factory, clock=opts.clock,
                                  on_start=lambda info: store.set_engine(run_id, info.backend, info.version, info.settings))
@@ -152,8 +166,6 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
         store.finish_run(run_id, status, error=str(exc) or exc.__class__.__name__)
         raise
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
         work.is_done.close()
     summary.rows_input, summary.rows_skipped, summary.rows_rejected = scan.rows, work.skipped, len(scan.skip)
     summary.rows_redone, summary.redo_reasons = work.redone, work.reasons
@@ -203,7 +215,7 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
     progress = progress_factory(work.todo) if progress_factory else None
     collector = ResultCollector(job, store, run_id, RequestBuilder(job, builder), progress, work.fingerprint,
                                 clock=clock)
-    source = collector.requests(_build_ahead(job, collector.rb, work.is_done, work.skip) if work.todo else iter(()))
+    source = collector.requests(build_ahead(job, collector.rb, work.is_done, work.skip) if work.todo else iter(()))
     choice = None
     try:
         if work.todo:  # every row is stored already: a rerun from cron costs no engine start
@@ -250,6 +262,11 @@ def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_e
                   clock: Callable[[], float] = time.perf_counter) -> dict:
     """`runner calibrate`: measure the job's speculation on its own rows (done or not) and store the
     choice for later runs. Nothing is written to the job's results."""
+    with _sigterm_interrupts():
+        return _calibrate(job, engine_factory, wait, clock)
+
+
+def _calibrate(job: Job, engine_factory: Callable[[Job], Engine], wait: bool, clock: Callable[[], float]) -> dict:
     job, _ = job_with_grammar(job)  # one backend for its engines, as `runner run` decides it
     scan = LocalReader(job.input_path, job.spec.input).scan()
     builder = builder_for(job)
@@ -257,7 +274,7 @@ def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_e
         store = Store(job.database_path)
         collector = ResultCollector(job, store, None, RequestBuilder(job, builder), None, None, keep_results=False,
                                     clock=clock)
-        source = collector.requests(_build_ahead(job, collector.rb, None, scan.skip))
+        source = collector.requests(build_ahead(job, collector.rb, None, scan.skip))
         engines = EngineSequence(engine_factory, clock=clock)
         ctx = CalibrationContext(store, calibration_key(job, scan.system_prompt_keys), scan.rows, None, force=True)
         try:
@@ -266,36 +283,3 @@ def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_e
             engines.stop()
             store.close()
         return record
-
-
-def _build_ahead(job: Job, rb: RequestBuilder, is_done: Optional[Callable[[list[str]], set[str]]],
-                 skip: set[int] = frozenset()):
-    """Read, skip done rows, plan and tokenize in a thread from now on, while the engine starts and
-    then while it generates: the driver's own work stays off the engine's critical path (the
-    tokenizer releases the GIL). At most BUILT_AHEAD_CHUNKS chunks wait, which bounds the token
-    ids held; done rows are asked of the database a batch at a time."""
-    documents = _timed(make_reader(job).documents(job.system_source, skip), rb)  # Ray starts here, not in the thread
-    if is_done is not None:
-        documents = _not_done(documents, is_done)
-    return prefetch(rb.stream(plan_stream(documents, job.spec.plan_window_rows)), BUILT_AHEAD_CHUNKS)
-
-
-def _timed(documents: Iterator[Document], rb: RequestBuilder) -> Iterator[Document]:
-    """The documents, adding the time spent reading them to rb.read_s."""
-    while True:
-        t0 = time.perf_counter()
-        doc = next(documents, None)
-        rb.read_s += time.perf_counter() - t0
-        if doc is None:
-            return
-        yield doc
-
-
-def _not_done(documents: Iterator[Document], is_done: Callable[[list[str]], set[str]], batch: int = 2048
-              ) -> Iterator[Document]:
-    while True:
-        chunk = list(itertools.islice(documents, batch))
-        if not chunk:
-            return
-        done = is_done([d.row_id for d in chunk])
-        yield from (d for d in chunk if d.row_id not in done)

@@ -171,3 +171,38 @@ def test_sigterm_stores_finished_rows_and_marks_the_run_interrupted(make_job, tm
     assert 0 < len(rows) < ROWS  # the open commit batch was written on the way out
     con = sqlite3.connect(db)
     assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
+
+
+def test_sigterm_before_the_run_starts_exits_130_and_records_nothing(make_job, tmp_path, fake_env):
+    """A run stopped while it waits for the lock (before its run row exists: the same holds while
+    the grammar is measured) exits 130 with one Error: line, not by the signal, and leaves no row."""
+    job = make_job(rows=ROWS)
+    db = tmp_path / "out" / "results.sqlite"
+    first = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job),
+                             env=dict(fake_env, RUNNER_FAKE_DELAY_S="0.2"))
+    second = None
+    try:
+        wait_for(lambda: count(db) >= 1 or first.poll() is not None, "the first run's rows")
+        second = subprocess.Popen(runner_cmd("run", "--wait", "--engine", "fake", job), env=fake_env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lock = str(next((tmp_path / "out").glob("*.lock")))
+
+        def waiting() -> bool:  # the second run holds the lock file open: it waits in flock
+            fds = Path(f"/proc/{second.pid}/fd")
+            try:
+                return any(os.readlink(fd) == lock for fd in fds.iterdir())
+            except OSError:
+                return False
+
+        wait_for(waiting, "the second run to wait for the lock")
+        second.send_signal(signal.SIGTERM)
+        _, err = second.communicate(timeout=60)
+        assert second.returncode == 130, err
+        assert err.strip().splitlines()[-1].startswith("Error: stopped by signal SIGTERM")
+        assert first.poll() is None  # the holder runs on
+        con = sqlite3.connect(db)
+        assert con.execute("SELECT count(*) FROM runs").fetchone() == (1,)
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
