@@ -177,12 +177,17 @@ def workload(docs: int, groups: int, shape: dict, seed: int = 0, long_rows: floa
 
 def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -> dict:
     """policy: plain (arrival order straight to vLLM), sorted, or runner[-option...], options: nowarm,
-    noadmit (no KV budget), peaks (no projection), nopace, overNNN (a budget of NNN% of the blocks),
-    noshared (requests do not carry their group's head: the runner before commit 'shared_tokens'
-    counted the head twice while a group's first row ran)."""
+    noadmit (no KV budget), peaks (no projection), nopace, nowave (admission waves off),
+    overNNN (a budget of NNN% of the blocks), noshared (requests do not carry their group's head:
+    the runner before commit 'shared_tokens' counted the head twice while a group's first row ran).
+    shape["mixed"]: seconds a step that prefills costs beyond one that only decodes (vLLM runs it
+    piecewise, not as one CUDA graph); the runner's Cadence fits it from the simulated clock.
+    shape["noise"]: the sigma of a lognormal factor on every step's time."""
     eng = Vllm(shape["blocks"], shape["prefix"], max_num_seqs=max_num_seqs)
     fixed, per_req, per_prefill, per_ctx = shape["cost"]
-    steps = seconds = running_sum = 0
+    mixed_s = shape.get("mixed", 0.0)
+    jitter = random.Random(7)  # shape["noise"]: a step's time varies by this share (lognormal), as on a GPU host
+    steps = seconds = running_sum = mixed_steps = 0
     if policy in ("plain", "sorted"):
         order = sorted(reqs, key=lambda r: int(r.group[1:])) if policy == "sorted" else reqs
         eng.waiting.extend(order)
@@ -192,7 +197,8 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -
         over = next((int(o[4:]) / 100 for o in opts if o.startswith("over")), 1.0)
         budget = KvBudget(None if "noadmit" in opts else int(shape["blocks"] * over), BT, max_running=max_num_seqs,
                           project="peaks" not in opts, pace="nopace" not in opts)
-        feed = Feed(budget, 4 * max_num_seqs, max(32, max_num_seqs // 4), "nowarm" not in opts, clock=lambda: 0.0)
+        feed = Feed(budget, 4 * max_num_seqs, max(32, max_num_seqs // 4), "nowarm" not in opts,
+                    clock=lambda: seconds, waves="nowave" not in opts)
         ordered = sorted(reqs, key=lambda r: int(r.group[1:]))
         by_id = {r.rid: r for r in ordered}
         head = shape["prefix"] // BT * BT
@@ -214,7 +220,11 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -
         done, prefill, ctx = eng.step()
         steps += 1
         running_sum += len(eng.running) + len(done)
-        seconds += fixed + per_req * (len(eng.running) + len(done)) + per_prefill * prefill + per_ctx * ctx
+        step_s = fixed + per_req * (len(eng.running) + len(done)) + per_prefill * prefill + per_ctx * ctx
+        if prefill:
+            step_s += mixed_s
+            mixed_steps += 1
+        seconds += step_s * (jitter.lognormvariate(0, shape["noise"]) if shape.get("noise") else 1.0)
         if feed is not None:
             feed.budget.tick()
             if eng.preemptions > seen:
@@ -225,10 +235,14 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -
                     feed.progressed(r.rid)
             for r in done:
                 feed.finished(r.rid, r.out_len)
+            feed.stepped()  # after the step's finished rows, as VllmEngine.poll does
         finished += len(done)
+    waves = feed.cadence.describe() if feed is not None else {}
     return {"policy": policy, "steps": steps, "sim_s": round(seconds, 2), "docs_per_s": round(len(reqs) / seconds, 1),
             "avg_running": round(running_sum / steps, 1), "preemptions": eng.preemptions,
-            "prefill_tokens": eng.prefill_tokens, "hit_rate": round(eng.hit_tokens / max(eng.query_tokens, 1), 3)}
+            "prefill_tokens": eng.prefill_tokens, "hit_rate": round(eng.hit_tokens / max(eng.query_tokens, 1), 3),
+            "mixed_steps": mixed_steps, "wave_holds": waves.get("wave_holds"), "waves_fitted": waves.get("waves_fitted"),
+            "wave_fit": waves.get("wave_fit")}
 
 
 def main() -> None:
@@ -242,9 +256,12 @@ def main() -> None:
     ap.add_argument("--long-rows", type=float, default=0.0, help="share of rows that run to max_tokens")
     ap.add_argument("--long-groups", type=float, default=0.0, help="share of groups whose rows all do")
     ap.add_argument("--seeds", default="0", help="workload seeds, comma-separated")
+    ap.add_argument("--mixed-ms", type=float, default=0.0,
+                    help="extra milliseconds of a step that prefills (not one CUDA graph); 0: the fitted cost model")
+    ap.add_argument("--noise", type=float, default=0.0, help="sigma of a lognormal factor on each step's time")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
-    shape = SHAPES[a.shape] | ({"max_tokens": a.max_tokens} if a.max_tokens else {})
+    shape = SHAPES[a.shape] | ({"max_tokens": a.max_tokens} if a.max_tokens else {}) | {"mixed": a.mixed_ms / 1e3, "noise": a.noise}
     if a.prompt:
         shape |= dict(zip(("prefix", "private"), map(int, a.prompt.split(","))))
     rows = []
@@ -256,7 +273,8 @@ def main() -> None:
     if a.out:
         a.out.write_text(json.dumps({"shape": a.shape, "docs": a.docs, "groups": a.groups, "max_tokens": shape["max_tokens"],
                                      "prefix_tokens": shape["prefix"], "private_tokens": shape["private"],
-                                     "long_rows": a.long_rows, "long_groups": a.long_groups, "runs": rows}, indent=1))
+                                     "long_rows": a.long_rows, "long_groups": a.long_groups,
+                                     "mixed_ms": a.mixed_ms, "noise": a.noise, "runs": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -31,3 +31,29 @@ def test_long_rows_and_groups_leave_a_seeds_other_lengths_alone():
     looping = {r.group for r in groups if r.out_len == 256}
     assert looping and all(r.out_len == 256 for r in groups if r.group in looping)
     assert all(r.out_len == b for r, b in zip(groups, base) if r.group not in looping)
+
+
+def waves_case(mixed_s: float) -> tuple[dict, dict]:
+    # the 135M shape (outputs of varied length: the pace stays off, so blocks bind) with a step that
+    # prefills costing mixed_s more than one that only decodes; runner against runner-nowave
+    shape = SHAPES["135m"] | {"prefix": 1056, "private": 167, "mixed": mixed_s}
+    return (run("runner", workload(512, 32, shape), shape), run("runner-nowave", workload(512, 32, shape), shape))
+
+
+def test_waves_gather_prefills_where_a_prefilling_step_costs_more():
+    """With a prefilling step 4 ms dearer (a ~9.5 ms step), the fit finds that cost from the
+    simulated clock, admissions wait for waves, fewer steps prefill and the job takes less time."""
+    waves, none = waves_case(0.004)
+    assert waves["wave_holds"] > 0 and max(waves["waves_fitted"]) > 1
+    assert abs(waves["wave_fit"]["mixed_step_extra_ms"] - 4.0) < 1.0
+    assert waves["mixed_steps"] < 0.7 * none["mixed_steps"]
+    assert waves["sim_s"] < 0.98 * none["sim_s"]
+    assert waves["preemptions"] == none["preemptions"] == 0
+
+
+def test_waves_hold_nothing_where_prefilling_costs_nothing():
+    """Where a prefilling step costs no more (a CPU engine runs every step eagerly), the fit keeps
+    a wave of 1 and the run is step for step the run without waves."""
+    waves, none = waves_case(0.0)
+    assert waves["waves_fitted"] and set(waves["waves_fitted"]) == {1} and waves["wave_holds"] == 0
+    assert (waves["steps"], waves["sim_s"], waves["mixed_steps"]) == (none["steps"], none["sim_s"], none["mixed_steps"])
