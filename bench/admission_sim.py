@@ -36,6 +36,7 @@ from runner.engines.base import Request  # noqa: E402
 from runner.engines.feed import Feed  # noqa: E402
 
 BT = 16
+USAGE_EVERY = 30  # steps between reads of vLLM's KV usage (the runner reads it once a second)
 # shape -> blocks, prefix tokens, private prompt tokens, output tokens (min, max), step cost (s):
 # fixed, per running request, per prefill token, per context token
 SHAPES = {
@@ -178,7 +179,9 @@ def workload(docs: int, groups: int, shape: dict, seed: int = 0, long_rows: floa
 def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -> dict:
     """policy: plain (arrival order straight to vLLM), sorted, or runner[-option...], options: nowarm,
     noadmit (no KV budget), peaks (no projection), nopace, nowave (admission waves off),
-    overNNN (a budget of NNN% of the blocks), noshared (requests do not carry their group's head:
+    nofeedback (the count is not checked against vLLM's usage),
+    overNNN (a budget of NNN% of the blocks), shortNN (the runner counts NN fewer shared tokens
+    a row than vLLM caches: a count above vLLM's own usage), noshared (requests do not carry their group's head:
     the runner before commit 'shared_tokens' counted the head twice while a group's first row ran).
     shape["mixed"]: seconds a step that prefills costs beyond one that only decodes (vLLM runs it
     piecewise, not as one CUDA graph); the runner's Cadence fits it from the simulated clock.
@@ -187,7 +190,7 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -
     fixed, per_req, per_prefill, per_ctx = shape["cost"]
     mixed_s = shape.get("mixed", 0.0)
     jitter = random.Random(7)  # shape["noise"]: a step's time varies by this share (lognormal), as on a GPU host
-    steps = seconds = running_sum = mixed_steps = 0
+    steps = seconds = running_sum = mixed_steps = used_sum = 0
     if policy in ("plain", "sorted"):
         order = sorted(reqs, key=lambda r: int(r.group[1:])) if policy == "sorted" else reqs
         eng.waiting.extend(order)
@@ -196,12 +199,15 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -
         opts = set(policy.split("-")[1:])
         over = next((int(o[4:]) / 100 for o in opts if o.startswith("over")), 1.0)
         budget = KvBudget(None if "noadmit" in opts else int(shape["blocks"] * over), BT, max_running=max_num_seqs,
-                          project="peaks" not in opts, pace="nopace" not in opts)
+                          project="peaks" not in opts, pace="nopace" not in opts,
+                          usage_feedback="nofeedback" not in opts)
         feed = Feed(budget, 4 * max_num_seqs, max(32, max_num_seqs // 4), "nowarm" not in opts,
                     clock=lambda: seconds, waves="nowave" not in opts)
         ordered = sorted(reqs, key=lambda r: int(r.group[1:]))
         by_id = {r.rid: r for r in ordered}
-        head = shape["prefix"] // BT * BT
+        # shortNN: the runner believes each group's shared head NN tokens shorter than vLLM caches
+        short = next((int(o[5:]) for o in opts if o.startswith("short")), 0)
+        head = (shape["prefix"] - short) // BT * BT
         firsts = {r.group: r.rid for r in reversed(ordered)}  # a group's first row finds nothing cached
         pending = deque(Request(r.rid, r.group, [0] * r.prompt, shape["max_tokens"], 0 if firsts[r.group] == r.rid else head,
                                 shared_tokens=0 if "noshared" in opts else head) for r in ordered)
@@ -220,6 +226,7 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -
         done, prefill, ctx = eng.step()
         steps += 1
         running_sum += len(eng.running) + len(done)
+        used_sum += eng.used() + sum(eng.private(r) for r in done)  # as the step ran: before its finished rows left
         step_s = fixed + per_req * (len(eng.running) + len(done)) + per_prefill * prefill + per_ctx * ctx
         if prefill:
             step_s += mixed_s
@@ -236,12 +243,15 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -
             for r in done:
                 feed.finished(r.rid, r.out_len)
             feed.stepped()  # after the step's finished rows, as VllmEngine.poll does
+            if steps % USAGE_EVERY == 0 and feed.in_flight:  # vLLM's usage, as the runner reads it each second
+                feed.budget.observe_usage(eng.used() / (eng.blocks - 1))
         finished += len(done)
     waves = feed.cadence.describe() if feed is not None else {}
     return {"policy": policy, "steps": steps, "sim_s": round(seconds, 2), "docs_per_s": round(len(reqs) / seconds, 1),
-            "avg_running": round(running_sum / steps, 1), "preemptions": eng.preemptions,
+            "avg_running": round(running_sum / steps, 1), "mean_kv_usage": round(used_sum / steps / eng.blocks, 3),
+            "preemptions": eng.preemptions,
             "prefill_tokens": eng.prefill_tokens, "hit_rate": round(eng.hit_tokens / max(eng.query_tokens, 1), 3),
-            "mixed_steps": mixed_steps, "wave_holds": waves.get("wave_holds"), "waves_fitted": waves.get("waves_fitted"),
+            "mixed_steps": mixed_steps, "kv_usage_correction_max_blocks": feed.budget.feedback.max_blocks if feed else None, "wave_holds": waves.get("wave_holds"), "waves_fitted": waves.get("waves_fitted"),
             "wave_fit": waves.get("wave_fit")}
 
 

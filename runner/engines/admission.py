@@ -6,34 +6,27 @@ admits a request only while the blocks admitted requests will need (unshared pro
 fit, and shrinks that budget whenever vLLM still reports a preemption.
 
 Two tests, cheap first: the sum of every request's peak fits (always true with a roomy cache);
-else the projected peak fits. Requests admitted earlier finish earlier, so the cache never holds
-every request at its peak at once: the projection walks forward step by step, assuming one output
-token a step (speculation turns this off: it makes more tokens a step). Each request's output
-length is drawn from the recent finished outputs, given how far it already ran (one longer than
-any seen may run to max_tokens); the expected blocks plus two standard deviations must fit. A
-margin on the sum, not on every request: with a 90th percentile per request, a few long outputs
-(a model that loops on some rows) made every request plan for max_tokens and left the cache
-underused; in the simulator the sum's margin took 1-7.5% fewer steps where lengths vary row by
-row and the same where all are as long (bench/results/2026-11-30-cpu-2core-admission-sim-sum.json).
-Rows of one group often run about as long as each other (a prompt the model loops on), which a
-sum of independent lengths does not cover: their deviations count as correlated at 0.1. In the
-simulator, fully correlated cost 10-18% more steps where lengths were independent; 0.1 costs ~1%
-there and cut preemptions by 40-60% where whole groups ran to max_tokens
-(bench/results/2026-11-30-cpu-2core-admission-sim-review.json). A preemption is the backstop.
+else the projected peak fits; vLLM's own usage corrects the count where it runs high (kv_feedback.py).
+Requests admitted earlier finish earlier, so the cache never holds every request at its peak at
+once: the projection walks forward assuming one output token a step (speculation turns it off),
+each request's length drawn from the recent finished outputs given how far it already ran; the
+expected blocks plus two standard deviations of their sum must fit (a margin on the sum: a 90th
+percentile per request made every request plan for max_tokens where a few rows loop;
+bench/results/2026-11-30-cpu-2core-admission-sim-sum.json). Rows of one group often run about as
+long as each other: their deviations count as correlated at 0.1 (fully correlated cost 10-18% more
+steps in the simulator where lengths were independent; 0.1 costs ~1% there and cut preemptions by
+40-60% where whole groups ran to max_tokens: bench/results/2026-11-30-cpu-2core-admission-sim-review.json).
 
 A preemption shrinks the budget by 15%, down to 70% of the cache; it grows back by 1% every 16
-steps without one (outputs that run long together pass; a budget that only shrank ran up to 9x
-slower than plain vLLM in the simulator).
+steps without one (a budget that only shrank ran up to 9x slower than plain vLLM in the simulator).
 
-Pacing: requests admitted together finish together when their outputs are about as long (a
-schema with bounded fields; a model that always runs to max_tokens), and then hold their peaks
-at the same time, so the projection admits nothing until the whole wave is done: the cache holds
-a convoy sized by peaks, never one sized by the average (a request is at its peak only at its
-end). Where the cache binds (it cannot hold max_num_seqs requests at their peaks), admissions
-are therefore spread out at the rate that keeps the cache full in a steady state: room /
-(mean blocks a request holds) / (mean output length) per step, from a small bucket. The bucket
-holds at most one admission while the fit tests refuse: otherwise the admissions saved up while a
-wave held the cache would all go in when it finishes, as a new wave.
+Pacing: requests admitted together finish together when their outputs are about as long (bounded
+fields; a model that always runs to max_tokens) and hold their peaks at once, so the projection
+would admit convoys sized by peaks. Where the cache binds (it cannot hold max_num_seqs requests at
+their peaks), admissions are spread out at the rate that keeps it full in a steady state: room /
+(mean blocks a request holds) / (mean output length) per step, from a small bucket that holds at
+most one admission while the fit tests refuse (else the admissions saved up while a wave held the
+cache would go in together as the next wave).
 """
 from __future__ import annotations
 
@@ -45,6 +38,7 @@ from typing import Optional
 import numpy as np
 
 from runner.engines.base import Request
+from runner.engines.kv_feedback import UsageFeedback
 from runner.engines.output_lengths import OutputLengths
 
 
@@ -70,8 +64,10 @@ class Ticket:
 class KvBudget:
     def __init__(self, total_blocks: Optional[int], block_tokens: int, min_output_samples: int = 16,
                  max_running: Optional[int] = None, project: bool = True, pace: bool = True,
-                 shared_prefixes: bool = True):
+                 shared_prefixes: bool = True, usage_feedback: bool = True):
         self.total_blocks = total_blocks
+        # vLLM's own usage checks the count (kv_feedback.py); the count is kept only with the projection
+        self.feedback = UsageFeedback(total_blocks or 0, usage_feedback and project and total_blocks is not None)
         self.block_tokens = block_tokens
         self.budget = total_blocks  # None: unbounded (the cache size is not known)
         self.used = 0  # sum of the admitted requests' peaks
@@ -149,7 +145,7 @@ class KvBudget:
     def can_admit(self, req: Request) -> bool:
         if self.budget is None or not self.tickets:
             return True  # an empty engine always takes one request, whatever its size
-        room = self.budget - self._reserve(req)
+        room = self.budget - self._reserve(req) + self.feedback.blocks
         if self.pace and not self._pace_allows(req, room):
             self.pace_waits += 1
             return False
@@ -273,6 +269,11 @@ class KvBudget:
                 held += math.ceil((t.unshared_tokens + made) / self.block_tokens)
         return held + self._held_prefix
 
+    def observe_usage(self, usage: float) -> None:
+        """vLLM's KV-cache usage (0-1) now, beside this budget's count (see kv_feedback.py)."""
+        if self.project and self.total_blocks:
+            self.feedback.observe(self.blocks_held(), usage)
+
     def tick(self) -> None:
         """The engine made one step; REGROW_STEPS without a preemption give back 1% of the cache."""
         self.step += 1
@@ -284,6 +285,7 @@ class KvBudget:
     def on_preemption(self) -> None:
         """vLLM preempted a request: what is admitted now was too much; admit less for a while."""
         self.preemptions_seen += 1
+        self.feedback.preempted()
         if self.budget is not None:
             floor = max(int(FLOOR * self.total_blocks), self._reserve() + 1)
             self.budget = max(int(SHRINK * self.budget), min(floor, self.budget))
@@ -296,4 +298,4 @@ class KvBudget:
                 "output_tokens_p10_p50_p90": list(spread[:3]) if spread else None,
                 "preemptions_seen": self.preemptions_seen, "admissions_deferred": self.deferred,
                 "admitted_by_projection": self.admitted_over_peaks, "pace_waits": self.pace_waits,
-                "max_admitted": self.max_admitted}
+                "max_admitted": self.max_admitted} | self.feedback.describe()

@@ -75,7 +75,8 @@ class VllmEngine(Engine):
         self.budget = KvBudget(self.kv_blocks if cfg.kv_admission else None, self.kv_block_tokens,
                                max_running=cfg.max_num_seqs,
                                project=cfg.kv_projection and not isinstance(cfg.speculative, SpeculativeSpec),
-                               pace=cfg.kv_pacing, shared_prefixes=cfg.enable_prefix_caching)
+                               pace=cfg.kv_pacing, shared_prefixes=cfg.enable_prefix_caching,
+                               usage_feedback=cfg.kv_usage_feedback)
         max_in_flight = cfg.max_in_flight or 4 * cfg.max_num_seqs
         self.feed = Feed(self.budget, max_in_flight, max(32, cfg.max_num_seqs // 4), cfg.warm_prefix, time.perf_counter,
                          waves=cfg.admission_waves and cfg.kv_admission)
@@ -222,6 +223,7 @@ class VllmEngine(Engine):
             self.loop["kv_usage_max"] = max(self.loop["kv_usage_max"], usage)
             if self.budget.project:
                 self.loop["kv_counted_sum"] += self.budget.blocks_held() / self.budget.total_blocks
+            self.budget.observe_usage(usage)
 
     @staticmethod
     def _completion(req: Request, out, t0: float, streamed: Optional[tuple[list[str], list[int]]] = None) -> Completion:
