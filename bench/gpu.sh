@@ -7,6 +7,13 @@
 #   bash bench/gpu.sh streams DEADLINE_S "CASES_A" "CASES_B"   (two GPUs: one bench.py per GPU, each
 #       pinned to half the host's cores, so that neighbours do not share CPUs; then `wait`)
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
+# IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
+# ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
+# The lease that issue 11 waits for (admission waves on the 135M, vLLM's usage feedback on the 8B,
+# each beside sorted; ~20 min after staging):
+#   IMPORTTIME=1 WARMUP="invoices/tight/135m=runner;invoices/tight/8b=runner" BENCH_COMMIT=<commit> \
+#     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1100 \
+#     --cases "invoices/tight/135m=runner_first,runner,nowave,sorted;invoices/tight/8b=runner,nofeedback,sorted"
 set -u
 BENCH="${BENCH:-bench/bench.py}"
 export PYTHONPATH=/tmp/site VLLM_CACHE_ROOT=/tmp/vllm-cache RUNNER_CACHE=/tmp/runner-cache PYTHONUNBUFFERED=1 \
@@ -21,9 +28,12 @@ start)
   # is warm; its results go to /tmp/warmup.json. --deadline-s counts from the measured rounds' start.
   shift
   rm -rf /tmp/proj && cp -r . /tmp/proj && cd /tmp/proj
-  export BENCH WARMUP="${WARMUP:-}" BENCH_COMMIT="${BENCH_COMMIT:-unknown}"
+  export BENCH WARMUP="${WARMUP:-}" BENCH_COMMIT="${BENCH_COMMIT:-unknown}" IMPORTTIME="${IMPORTTIME:-}"
   export MACHINE="$(machine)"
   setsid nohup bash -c '
+    if [ -n "$IMPORTTIME" ]; then
+      python3 -X importtime -c "import vllm; from vllm import LLM, SamplingParams" 2> /tmp/importtime.txt
+    fi
     if [ -n "$WARMUP" ]; then
       python3 "$BENCH" --model /tmp/smollm2 --machine "$MACHINE" --multi "" --repeats 1 --docs 16 \
         --cases "$WARMUP" --out /tmp/warmup.json --workdir /tmp/rb > /tmp/warmup.log 2>&1
@@ -47,5 +57,5 @@ wait)
   while [ "$(date +%s)" -lt "$end" ] && pgrep -f "python3 $BENCH" >/dev/null; do sleep 5; done
   pgrep -f "python3 $BENCH" >/dev/null && echo "still running" || echo "finished"
   grep -hE "doc/s|ERROR|Error|failed|runs planned|Traceback" /tmp/bench.log /tmp/bench-*.log 2>/dev/null | tail -40
-  cp /tmp/e2e*.json /tmp/bench*.log /tmp/warmup.json /tmp/warmup.log "$OUT"/ 2>/dev/null ;;
+  cp /tmp/e2e*.json /tmp/bench*.log /tmp/warmup.json /tmp/warmup.log /tmp/importtime.txt "$OUT"/ 2>/dev/null ;;
 esac
