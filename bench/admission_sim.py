@@ -36,7 +36,6 @@ from runner.engines.base import Request  # noqa: E402
 from runner.engines.feed import Feed  # noqa: E402
 
 BT = 16
-USAGE_EVERY = 30  # steps between reads of vLLM's KV usage (the runner reads it once a second)
 # shape -> blocks, prefix tokens, private prompt tokens, output tokens (min, max), step cost (s):
 # fixed, per running request, per prefill token, per context token
 SHAPES = {
@@ -181,82 +180,103 @@ def workload(docs: int, groups: int, shape: dict, seed: int = 0, long_rows: floa
     return reqs
 
 
-def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -> dict:
-    """policy: plain (arrival order straight to vLLM), sorted, or runner[-option...], options: nowarm,
-    noadmit (no KV budget), peaks (no projection), nopace, nowave (admission waves off),
-    nofeedback (the count is not checked against vLLM's usage),
-    overNNN (a budget of NNN% of the blocks), shortNN (the runner counts NN fewer shared tokens
-    a row than vLLM caches: a count above vLLM's own usage), noshared (requests do not carry their group's head:
-    the runner before commit 'shared_tokens' counted the head twice while a group's first row ran).
-    shape["mixed"]: seconds a step that prefills costs beyond one that only decodes (vLLM runs it
-    piecewise, not as one CUDA graph); the runner's Cadence fits it from the simulated clock.
-    shape["noise"]: the sigma of a lognormal factor on every step's time."""
-    eng = Vllm(shape["blocks"], shape["prefix"], max_num_seqs=max_num_seqs)
-    fixed, per_req, per_prefill, per_ctx = shape["cost"]
-    mixed_s = shape.get("mixed", 0.0)
-    jitter = random.Random(7)  # shape["noise"]: a step's time varies by this share (lognormal), as on a GPU host
-    steps = seconds = running_sum = mixed_steps = used_sum = 0
-    if policy in ("plain", "sorted"):
-        order = sorted(reqs, key=lambda r: int(r.group[1:])) if policy == "sorted" else reqs
-        eng.waiting.extend(order)
-        feed = None
-    else:
-        opts = set(policy.split("-")[1:])
+class RunnerSide:
+    """The runner's Feed and KvBudget driving the simulated vLLM (see `run` for the options)."""
+
+    def __init__(self, opts: set, reqs: list[SimReq], shape: dict, max_num_seqs: int, clock):
         over = next((int(o[4:]) / 100 for o in opts if o.startswith("over")), 1.0)
         budget = KvBudget(None if "noadmit" in opts else int(shape["blocks"] * over), BT, max_running=max_num_seqs,
-                          project="peaks" not in opts, pace="nopace" not in opts,
-                          usage_feedback="nofeedback" not in opts)
-        feed = Feed(budget, 4 * max_num_seqs, max(32, max_num_seqs // 4), "nowarm" not in opts,
-                    clock=lambda: seconds, waves="nowave" not in opts)
+                          project="peaks" not in opts, pace="nopace" not in opts, usage_feedback="feedback" in opts)
+        self.feed = Feed(budget, 4 * max_num_seqs, max(32, max_num_seqs // 4), "nowarm" not in opts,
+                         clock=clock, waves="nowave" not in opts)
         ordered = sorted(reqs, key=lambda r: int(r.group[1:]))
-        by_id = {r.rid: r for r in ordered}
+        self.by_id = {r.rid: r for r in ordered}
         # shortNN: the runner believes each group's shared head NN tokens shorter than vLLM caches
         short = next((int(o[5:]) for o in opts if o.startswith("short")), 0)
         head = (shape["prefix"] - short) // BT * BT
         firsts = {r.group: r.rid for r in reversed(ordered)}  # a group's first row finds nothing cached
-        pending = deque(Request(r.rid, r.group, [0] * r.prompt, shape["max_tokens"], 0 if firsts[r.group] == r.rid else head,
-                                shared_tokens=0 if "noshared" in opts else head) for r in ordered)
-    finished = seen = 0
+        self.pending = deque(Request(r.rid, r.group, [0] * r.prompt, shape["max_tokens"],
+                                     0 if firsts[r.group] == r.rid else head,
+                                     shared_tokens=0 if "noshared" in opts else head) for r in ordered)
+        self.preemptions = 0
+        self.next_usage_s = 1.0
+
+    def send(self, eng: Vllm) -> None:
+        feed = self.feed
+        while self.pending and feed.room():
+            feed.add([self.pending.popleft() for _ in range(min(feed.room(), len(self.pending)))])
+        for a in feed.to_send():
+            feed.sent(a.request.row_id, a)
+            eng.waiting.append(self.by_id[a.request.row_id])
+
+    def stepped(self, eng: Vllm, done: list[SimReq], seconds: float) -> None:
+        """What VllmEngine.poll does after a step, in its order; vLLM's KV usage once a simulated
+        second, read against the pool the budget believes in (overNNN makes it larger)."""
+        budget = self.feed.budget
+        budget.tick()
+        if eng.preemptions > self.preemptions:
+            budget.on_preemption()
+            self.preemptions = eng.preemptions
+        for r in eng.running:
+            if r.made >= 1:
+                self.feed.progressed(r.rid)
+        for r in done:
+            self.feed.finished(r.rid, r.out_len)
+        self.feed.stepped()
+        if seconds >= self.next_usage_s and self.feed.in_flight and budget.total_blocks:
+            self.next_usage_s = seconds + 1.0
+            budget.observe_usage(eng.used() / (budget.total_blocks - 1), len(eng.waiting))
+
+
+def step_seconds(shape: dict, eng: Vllm, done: list, prefill: int, ctx: int, jitter: random.Random) -> float:
+    fixed, per_req, per_prefill, per_ctx = shape["cost"]
+    step_s = fixed + per_req * (len(eng.running) + len(done)) + per_prefill * prefill + per_ctx * ctx
+    step_s += shape.get("mixed", 0.0) if prefill else 0.0
+    return step_s * (jitter.lognormvariate(0, shape["noise"]) if shape.get("noise") else 1.0)
+
+
+def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -> dict:
+    """policy: plain (arrival order straight to vLLM), sorted, or runner[-option...], options: nowarm,
+    noadmit (no KV budget), peaks (no projection), nopace, nowave (admission waves off), feedback
+    (the count checked against vLLM's usage: kv_usage_feedback), overNNN (a budget of NNN% of the
+    blocks), shortNN (the runner counts NN fewer shared tokens a row than vLLM caches: a count above
+    vLLM's own usage), noshared (requests do not carry their group's head: the runner before commit
+    'shared_tokens' counted the head twice while a group's first row ran).
+    shape["mixed"]: seconds a step that prefills costs beyond one that only decodes (vLLM runs it
+    piecewise, not as one CUDA graph); the runner's Cadence fits it from the simulated clock.
+    shape["noise"]: the sigma of a lognormal factor on every step's time (a fixed seed)."""
+    eng = Vllm(shape["blocks"], shape["prefix"], max_num_seqs=max_num_seqs)
+    jitter = random.Random(7)
+    steps = seconds = running_sum = mixed_steps = used_sum = finished = 0
+    side = None
+    if policy in ("plain", "sorted"):
+        eng.waiting.extend(sorted(reqs, key=lambda r: int(r.group[1:])) if policy == "sorted" else reqs)
+    else:
+        side = RunnerSide(set(policy.split("-")[1:]), reqs, shape, max_num_seqs, clock=lambda: seconds)
     while finished < len(reqs):
         if steps > 100 * len(reqs):  # a policy that stalls is reported, not waited for
             raise RuntimeError(f"{policy}: {finished} of {len(reqs)} rows done after {steps} steps")
-        if feed is not None:
-            while pending and feed.room():
-                feed.add([pending.popleft() for _ in range(min(feed.room(), len(pending)))])
-            for a in feed.to_send():
-                feed.sent(a.request.row_id, a)
-                eng.waiting.append(by_id[a.request.row_id])
-        if feed is not None and not eng.running and not eng.waiting:
-            raise RuntimeError(f"{policy}: nothing in flight and nothing sent after {steps} steps: admission stalled")
+        if side is not None:
+            side.send(eng)
+            if not eng.running and not eng.waiting:
+                raise RuntimeError(f"{policy}: nothing in flight and nothing sent after {steps} steps: admission stalled")
         done, prefill, ctx = eng.step()
         steps += 1
         running_sum += len(eng.running) + len(done)
         used_sum += eng.used() + sum(eng.private(r) for r in done)  # as the step ran: before its finished rows left
-        step_s = fixed + per_req * (len(eng.running) + len(done)) + per_prefill * prefill + per_ctx * ctx
-        if prefill:
-            step_s += mixed_s
-            mixed_steps += 1
-        seconds += step_s * (jitter.lognormvariate(0, shape["noise"]) if shape.get("noise") else 1.0)
-        if feed is not None:
-            feed.budget.tick()
-            if eng.preemptions > seen:
-                feed.budget.on_preemption()
-                seen = eng.preemptions
-            for r in eng.running:
-                if r.made >= 1:
-                    feed.progressed(r.rid)
-            for r in done:
-                feed.finished(r.rid, r.out_len)
-            feed.stepped()  # after the step's finished rows, as VllmEngine.poll does
-            if steps % USAGE_EVERY == 0 and feed.in_flight:  # vLLM's usage, as the runner reads it each second
-                feed.budget.observe_usage(eng.used() / (eng.blocks - 1))
+        mixed_steps += prefill > 0
+        seconds += step_seconds(shape, eng, done, prefill, ctx, jitter)
+        if side is not None:
+            side.stepped(eng, done, seconds)
         finished += len(done)
+    feed = side.feed if side is not None else None
     waves = feed.cadence.describe() if feed is not None else {}
     return {"policy": policy, "steps": steps, "sim_s": round(seconds, 2), "docs_per_s": round(len(reqs) / seconds, 1),
             "avg_running": round(running_sum / steps, 1), "mean_kv_usage": round(used_sum / steps / eng.blocks, 3),
-            "preemptions": eng.preemptions,
-            "prefill_tokens": eng.prefill_tokens, "hit_rate": round(eng.hit_tokens / max(eng.query_tokens, 1), 3),
-            "mixed_steps": mixed_steps, "kv_usage_correction_max_blocks": feed.budget.feedback.max_blocks if feed else None, "wave_holds": waves.get("wave_holds"), "waves_fitted": waves.get("waves_fitted"),
+            "preemptions": eng.preemptions, "prefill_tokens": eng.prefill_tokens,
+            "hit_rate": round(eng.hit_tokens / max(eng.query_tokens, 1), 3), "mixed_steps": mixed_steps,
+            "kv_usage_correction_max_blocks": feed.budget.feedback.max_blocks if feed else None,
+            "wave_holds": waves.get("wave_holds"), "waves_fitted": waves.get("waves_fitted"),
             "wave_fit": waves.get("wave_fit")}
 
 

@@ -9,11 +9,11 @@
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
-# The lease that issue 11 waits for (admission waves and vLLM's usage feedback on the 135M, each
-# against the runner without it and beside sorted; the 8B against sorted; ~20 min after staging):
+# The lease that issue 11 waits for (admission waves off and vLLM's usage feedback on, on the 135M,
+# each against the default runner and beside sorted; the 8B against sorted; ~20 min after staging):
 #   WARMUP="invoices/tight/135m=runner;invoices/tight/8b=runner" BENCH_COMMIT=<commit> \
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1100 --cases \
-#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=runner,nowave,nofeedback,sorted;invoices/tight/8b=runner,sorted"
+#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=runner,nowave,feedback,sorted;invoices/tight/8b=runner,sorted"
 set -u
 BENCH="${BENCH:-bench/bench.py}"
 export PYTHONPATH=/tmp/site VLLM_CACHE_ROOT=/tmp/vllm-cache RUNNER_CACHE=/tmp/runner-cache PYTHONUNBUFFERED=1 \

@@ -151,7 +151,7 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "peaks_only": ({"speculative": None, "kv_projection": False}, {}),
         "no_pacing": ({"kv_pacing": False}, {}),
         "nowave": ({"admission_waves": False}, {}),
-        "nofeedback": ({"kv_usage_feedback": False}, {}),
+        "feedback": ({"kv_usage_feedback": True}, {}),
         "xgrammar": ({"structured_output_backend": "xgrammar"}, {}),
         "guidance": ({"structured_output_backend": "guidance"}, {}),
         "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),

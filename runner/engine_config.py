@@ -90,9 +90,9 @@ class EngineConfig(Strict):
     kv_pacing: bool = Field(default=True, description=(
         "where the KV cache binds and outputs are about as long, spread admissions out so that waves "
         "of requests do not finish (and peak) together"))
-    kv_usage_feedback: bool = Field(default=True, description=(
-        "where the runner's count of KV blocks held runs above vLLM's reported usage (its view "
-        "trails vLLM's), add the excess to the room"))
+    kv_usage_feedback: bool = Field(default=False, description=(
+        "where the runner's count of KV blocks held runs above vLLM's reported usage, add the excess "
+        "to the room (not yet measured on a GPU)"))
     admission_waves: bool = Field(default=True, description=(
         "where the KV cache binds, let admissions wait to go in together when a step that prefills "
         "costs more than one that only decodes (measured while running)"))

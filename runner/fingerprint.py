@@ -74,11 +74,12 @@ def grammar_backend(job) -> str:
 
 def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
     """What decides the best speculative setting for a job (see runner/engines/calibrate.py)."""
-    # Admission waves and the usage feedback only change when requests go in: a stored choice stays
-    # good with them on or off (and a new setting at its default must not re-measure every job
-    # stored before it).
-    engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process", "admission_waves",
-                                                         "kv_usage_feedback"})
+    # Admission waves only pace when requests go in: a stored choice stays good with them on or off.
+    # The usage feedback counts like kv_pacing, but only when on: at its default (off) it leaves the
+    # keys stored before it existed as they were.
+    engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process", "admission_waves"})
+    if not engine["kv_usage_feedback"]:
+        del engine["kv_usage_feedback"]
     engine["structured_output_backend"] = grammar_backend(job)
     sampling = {k: v for k, v in job.spec.sampling.fingerprint_dump().items()
                 if k not in ("retry_max_tokens", "retry_repetition_penalty")}

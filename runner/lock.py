@@ -27,6 +27,15 @@ class JobLock:
         except OSError as exc:  # a read-only mount, a path under a regular file, /proc...
             raise StoreError(f"{self.path}: cannot create the job's lock file beside the results database: "
                              f"{exc.strerror or exc}") from None
+        try:
+            self._take(fd)
+        except BaseException:  # refused, or a signal while waiting: the lock and the descriptor go
+            os.close(fd)
+            raise
+        self._fd = fd
+        return self
+
+    def _take(self, fd: int) -> None:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -34,15 +43,12 @@ class JobLock:
             except BlockingIOError:
                 if not self.wait:
                     holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-                    os.close(fd)
                     raise LockedError(
                         f"{self.path}: job is already running (pid {holder}); use --wait to wait for it"
                     ) from None
                 time.sleep(self.poll_s)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._fd = fd
-        return self
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:

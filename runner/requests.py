@@ -84,7 +84,7 @@ class RequestBuilder:
 
 
 def build_ahead(job: Job, rb: RequestBuilder, is_done: Optional[Callable[[list[str]], set[str]]],
-                 skip: set[int] = frozenset()):
+                skip: set[int] = frozenset()):
     """Read, skip done rows, plan and tokenize in a thread from now on, while the engine starts and
     then while it generates: the driver's own work stays off the engine's critical path (the
     tokenizer releases the GIL). At most BUILT_AHEAD_CHUNKS chunks wait, which bounds the token

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -97,7 +98,11 @@ def _raise_interrupted(signum, _frame):
 def _sigterm_interrupts():
     """SIGTERM raises Interrupted from the first step on (a wait for the lock, the grammar's
     measuring child, which subprocess.run then kills), not only once the run row exists: cron and
-    systemd see exit 130 and one Error: line rather than a bare death by signal."""
+    systemd see exit 130 and one Error: line rather than a bare death by signal. Only the main
+    thread can set a handler: called from another thread, the process's own handling stays."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     old = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         yield
@@ -141,36 +146,44 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
         store.delete_results(job.name)
     store.mark_abandoned_runs(job.name)
     work = _work(store, job, scan, opts.retry_failed)  # the fingerprint has the backend as configured
-    job, work.grammar = job_with_grammar(job)  # one backend for every engine; measured while vLLM imports
-    if work.redone and opts.notify is not None:
-        opts.notify(f"running {work.redone:,} stored rows again: " + ("--retry-failed" if opts.retry_failed else
-                    "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"))
-    key = calibration_key(job, scan.system_prompt_keys)
-    job, gated = _verify_gate(job, store, key, opts)
-    if gated:
-        work.notes.append(gated)
-    run_id = store.begin_run(job.name, str(job.path), job.snapshot() | {"fingerprint": work.fingerprint},
-                             opts.log_path)
-    if scan.skip:
-        store.save_rejected(run_id, job.name, scan.rejected)
-        if opts.notify is not None:
-            opts.notify(f"{len(scan.skip):,} input rows left out (null or repeated ids; input.on_bad_row: store): "
-                        f"see the rejected_rows table of {job.database_path}")
-    ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
     try:
-        engines = EngineSequence(engine_factory, clock=opts.clock,
-                                 on_start=lambda info: store.set_engine(run_id, info.backend, info.version, info.settings))
-        summary = _execute(job, store, run_id, engines, builder, work, opts.progress_factory, ctx)
-    except BaseException as exc:
-        status = "interrupted" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else "failed"
-        store.finish_run(run_id, status, error=str(exc) or exc.__class__.__name__)
-        raise
+        job, work.grammar = job_with_grammar(job)  # one backend for every engine; measured while vLLM imports
+        if work.redone and opts.notify is not None:
+            opts.notify(f"running {work.redone:,} stored rows again: " + ("--retry-failed" if opts.retry_failed else
+                        "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"))
+        key = calibration_key(job, scan.system_prompt_keys)
+        job, gated = _verify_gate(job, store, key, opts)
+        if gated:
+            work.notes.append(gated)
+        run_id = store.begin_run(job.name, str(job.path), job.snapshot() | {"fingerprint": work.fingerprint},
+                                 opts.log_path)
+        summary = _run_recorded(job, scan, builder, store, engine_factory, opts, work, key, run_id)
     finally:
         work.is_done.close()
     summary.rows_input, summary.rows_skipped, summary.rows_rejected = scan.rows, work.skipped, len(scan.skip)
     summary.rows_redone, summary.redo_reasons = work.redone, work.reasons
     summary.job_counts = store.job_status_counts(job.name)
     return summary
+
+
+def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
+                  engine_factory: Callable[[Job], Engine], opts: RunOptions, work: Work, key: dict,
+                  run_id: int) -> RunSummary:
+    """The run once its row exists: whatever stops it, the row ends interrupted or failed."""
+    try:
+        if scan.skip:
+            store.save_rejected(run_id, job.name, scan.rejected)
+            if opts.notify is not None:
+                opts.notify(f"{len(scan.skip):,} input rows left out (null or repeated ids; input.on_bad_row: store): "
+                            f"see the rejected_rows table of {job.database_path}")
+        ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
+        engines = EngineSequence(engine_factory, clock=opts.clock,
+                                 on_start=lambda info: store.set_engine(run_id, info.backend, info.version, info.settings))
+        return _execute(job, store, run_id, engines, builder, work, opts.progress_factory, ctx)
+    except BaseException as exc:
+        status = "interrupted" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else "failed"
+        store.finish_run(run_id, status, error=str(exc) or exc.__class__.__name__)
+        raise
 
 
 def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[Job, Optional[str]]:
@@ -272,12 +285,12 @@ def _calibrate(job: Job, engine_factory: Callable[[Job], Engine], wait: bool, cl
     builder = builder_for(job)
     with JobLock(job.database_path, job.name, wait=wait):
         store = Store(job.database_path)
-        collector = ResultCollector(job, store, None, RequestBuilder(job, builder), None, None, keep_results=False,
-                                    clock=clock)
-        source = collector.requests(build_ahead(job, collector.rb, None, scan.skip))
         engines = EngineSequence(engine_factory, clock=clock)
-        ctx = CalibrationContext(store, calibration_key(job, scan.system_prompt_keys), scan.rows, None, force=True)
         try:
+            collector = ResultCollector(job, store, None, RequestBuilder(job, builder), None, None,
+                                        keep_results=False, clock=clock)
+            source = collector.requests(build_ahead(job, collector.rb, None, scan.skip))
+            ctx = CalibrationContext(store, calibration_key(job, scan.system_prompt_keys), scan.rows, None, force=True)
             record, _ = calibrate(job, engines, collector, source, ctx)
         finally:
             engines.stop()

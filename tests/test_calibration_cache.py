@@ -217,3 +217,15 @@ def test_admission_waves_on_or_off_keep_the_stored_calibration(make_job):
     assert keys[0] == keys[1] == keys[2]
     other = calibration_key(load_job(make_job(engine={"kv_pacing": False})), ["a"])
     assert other != keys[0]  # other engine settings still count
+
+
+def test_the_usage_feedback_counts_in_the_calibration_key_only_when_on(make_job):
+    """kv_usage_feedback changes how many requests run at once, as kv_pacing does, so a choice
+    measured without it is not reused with it; at its default (off) the key is the one jobs stored
+    before the setting existed."""
+    from runner.fingerprint import calibration_key
+
+    default, off, on = (calibration_key(load_job(make_job(engine=engine)), ["a"])
+                        for engine in ({}, {"kv_usage_feedback": False}, {"kv_usage_feedback": True}))
+    assert default == off and "kv_usage_feedback" not in default["engine"]
+    assert on != default and on["engine"]["kv_usage_feedback"] is True

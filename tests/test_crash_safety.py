@@ -198,7 +198,8 @@ def test_sigterm_before_the_run_starts_exits_130_and_records_nothing(make_job, t
         second.send_signal(signal.SIGTERM)
         _, err = second.communicate(timeout=60)
         assert second.returncode == 130, err
-        assert err.strip().splitlines()[-1].startswith("Error: stopped by signal SIGTERM")
+        errors = [ln for ln in err.splitlines() if ln.startswith("Error:")]
+        assert errors == [err.strip().splitlines()[-1]] and errors[0].startswith("Error: stopped by signal SIGTERM")
         assert first.poll() is None  # the holder runs on
         con = sqlite3.connect(db)
         assert con.execute("SELECT count(*) FROM runs").fetchone() == (1,)
@@ -206,3 +207,31 @@ def test_sigterm_before_the_run_starts_exits_130_and_records_nothing(make_job, t
         for p in (first, second):
             if p is not None and p.poll() is None:
                 p.kill()
+
+
+def test_run_job_from_another_thread_keeps_the_processs_signal_handling(make_job):
+    """Only the main thread can set a signal handler: run_job called from a worker thread (a
+    library caller's) runs without taking SIGTERM over, instead of failing with ValueError."""
+    import signal as signals
+    import threading
+
+    from runner.engines.fake import FakeEngine
+    from runner.run import run_job
+    from runner.spec import load_job
+
+    job = load_job(make_job(rows=4))
+    before = signals.getsignal(signals.SIGTERM)
+    out: dict = {}
+
+    def work():
+        try:
+            out["summary"] = run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out["error"] = exc
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(120)
+    assert "error" not in out, out.get("error")
+    assert sum(out["summary"].job_counts.values()) == 4
+    assert signals.getsignal(signals.SIGTERM) is before

@@ -36,6 +36,31 @@ def test_the_correction_is_capped_and_a_preemption_halves_the_cap():
     assert f.blocks == int(MAX_SHARE * 1001) // 2
 
 
+def test_a_preemption_without_a_correction_leaves_the_cap():
+    """A preemption that the correction did not cause (none was in force) does not shrink what a
+    later correction may be."""
+    f = UsageFeedback(1001)
+    f.preempted()
+    for _ in range(MIN_SAMPLES):
+        f.observe(900, usage_for(400, 1001))
+    assert f.blocks == int(MAX_SHARE * 1001)
+
+
+def test_the_budget_keeps_the_feedback_only_where_it_means_something():
+    """Off by default; on only with a known cache and the projection (which keeps the count:
+    speculation turns it off); no sample while requests wait in vLLM's queue."""
+    assert not KvBudget(total_blocks=100, block_tokens=16).feedback.enabled
+    assert KvBudget(total_blocks=100, block_tokens=16, usage_feedback=True).feedback.enabled
+    assert not KvBudget(total_blocks=100, block_tokens=16, project=False, usage_feedback=True).feedback.enabled
+    assert not KvBudget(total_blocks=None, block_tokens=16, usage_feedback=True).feedback.enabled
+    b = KvBudget(total_blocks=100, block_tokens=16, usage_feedback=True)
+    b.submitted(b.admit(Request("r0", "g", list(range(320)), 16, 0)))
+    b.observe_usage(0.0, waiting=3)
+    assert b.feedback.samples == 0
+    b.observe_usage(0.0)
+    assert b.feedback.samples == 1
+
+
 def test_switched_off_it_reports_the_gap_and_corrects_nothing():
     f = UsageFeedback(1001, enabled=False)
     for _ in range(5):

@@ -250,28 +250,33 @@ def test_real_admission_waves_hold_and_every_row_is_stored_once(make_job, tmp_pa
 
 
 def test_real_usage_corrects_a_count_that_runs_high(make_job, tmp_path):
-    """Every request counted two blocks larger than it is (as the H200's 8B runs counted more than
-    vLLM reported): vLLM's own usage, read while it runs, gives the excess back to the room, and
-    every row is still stored once, with no preemption."""
+    """Every request counted two blocks larger than it is: with kv_usage_feedback, vLLM's own usage,
+    read while it runs, gives the excess back to the room, so more requests run at once than with
+    the feedback off, and every row is still stored once, with no preemption."""
     import subprocess
     import sys
 
-    engine = {"num_gpu_blocks_override": 40, "max_num_seqs": 8, "speculative": None}
-    job = make_job(rows=24, engine=engine)
     bias = ("import runner.engines.admission as a\n"
             "unshared = a.KvBudget.unshared\n"
             "a.KvBudget.unshared = lambda self, req: unshared(self, req) + 2 * self.block_tokens\n"
             "import runner.cli\n"
             "runner.cli.main()\n")
-    result = subprocess.run([sys.executable, "-c", bias, "run", "--quiet", str(job)],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
-    assert con.execute("SELECT count(*), count(DISTINCT row_id) FROM results").fetchone() == (24, 24)
-    preemptions, choice = con.execute("SELECT preemptions, engine_choice_json FROM run_stats").fetchone()
-    kv = json.loads(choice)["engines"][0]
-    assert kv["kv_count_minus_usage_blocks"] > 0 and kv["kv_usage_correction_max_blocks"] > 0
-    assert preemptions == 0
+    seen = {}
+    for feedback in (True, False):
+        engine = {"num_gpu_blocks_override": 40, "max_num_seqs": 8, "speculative": None, "kv_usage_feedback": feedback}
+        job = make_job(rows=24, engine=engine, job={"output": {"database": f"out/{feedback}.sqlite"}})
+        result = subprocess.run([sys.executable, "-c", bias, "run", "--quiet", str(job)],
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        con = sqlite3.connect(tmp_path / "out" / f"{feedback}.sqlite")
+        assert con.execute("SELECT count(*), count(DISTINCT row_id) FROM results").fetchone() == (24, 24)
+        preemptions, choice = con.execute("SELECT preemptions, engine_choice_json FROM run_stats").fetchone()
+        seen[feedback] = json.loads(choice)["engines"][0] | {"preemptions": preemptions}
+    on, off = seen[True], seen[False]
+    assert on["kv_count_minus_usage_blocks"] > 0 and on["kv_usage_correction_max_blocks"] > 0
+    assert off["kv_count_minus_usage_blocks"] > 0 and off["kv_usage_correction_max_blocks"] == 0
+    assert on["loop"]["mean_in_flight"] > off["loop"]["mean_in_flight"], (on["loop"], off["loop"])
+    assert on["preemptions"] == off["preemptions"] == 0
 
 
 def test_real_verify_then_distill_a_draft_and_calibrate_with_it(make_job, tmp_path):

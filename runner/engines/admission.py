@@ -64,7 +64,7 @@ class Ticket:
 class KvBudget:
     def __init__(self, total_blocks: Optional[int], block_tokens: int, min_output_samples: int = 16,
                  max_running: Optional[int] = None, project: bool = True, pace: bool = True,
-                 shared_prefixes: bool = True, usage_feedback: bool = True):
+                 shared_prefixes: bool = True, usage_feedback: bool = False):
         self.total_blocks = total_blocks
         # vLLM's own usage checks the count (kv_feedback.py); the count is kept only with the projection
         self.feedback = UsageFeedback(total_blocks or 0, usage_feedback and project and total_blocks is not None)
@@ -269,9 +269,10 @@ class KvBudget:
                 held += math.ceil((t.unshared_tokens + made) / self.block_tokens)
         return held + self._held_prefix
 
-    def observe_usage(self, usage: float) -> None:
-        """vLLM's KV-cache usage (0-1) now, beside this budget's count (see kv_feedback.py)."""
-        if self.project and self.total_blocks:
+    def observe_usage(self, usage: float, waiting: int = 0) -> None:
+        """vLLM's KV-cache usage (0-1) and requests waiting in its queue now, beside this budget's
+        count (see kv_feedback.py): no sample while requests wait there (they hold no blocks yet)."""
+        if self.project and self.total_blocks and waiting == 0:
             self.feedback.observe(self.blocks_held(), usage)
 
     def tick(self) -> None:

@@ -1,16 +1,17 @@
 """The KV budget's count of blocks held, checked against vLLM's own KV-cache usage.
 
 The budget (admission.py) counts the blocks that requests in flight hold: their unshared prompt,
-one output token a step since each was sent, and each group's shared prefix once. Its view trails
-vLLM's (a finished request's blocks are free in vLLM before the runner reads its output), so where
-the count runs above what vLLM reports, the runner admits fewer requests than the cache holds. On
-the H200 at commit acfb79a (135M, 1,024 blocks, ~40 requests in flight) the count averaged 81-85%
-of the cache against vLLM's 78-81%, 36-58 blocks more; on the 8B shape at 15ad0d1 (3,072 blocks,
-101 in flight) 81-84% against 80-83%. vLLM's usage is the truth: the smallest excess of the last
-few samples (one a second) is added to the room. Only an excess counts (a count below vLLM's usage
-is what preemptions correct), at most MAX_SHARE of the cache, and a preemption halves how much the
-correction may ever be again. In the admission simulator a count 76 tokens a row too high kept 14%
-fewer requests in flight (8B shape); with the feedback, 2% fewer.
+one output token a step since each was sent, and each group's shared prefix once. Where that count
+runs above what vLLM reports, the runner admits fewer requests than the cache holds. On the H200
+(commit acfb79a, 135M, 1,024 blocks, ~40 requests in flight, 7 runs) the count averaged 80.7-87.0%
+of the cache against vLLM's 77.5-84.5%, 26-59 blocks more (means over whole runs, ramp-up and
+drain included); on the 8B shape (15ad0d1, 3,072 blocks, 101 in flight) 81-84% against 80-83%.
+Why is not known. With the feedback on, vLLM's usage is taken as the truth: the smallest excess of
+the last few samples (one a second, taken only while nothing waits in vLLM's queue: requests it
+queues hold no blocks yet, whatever the count assumes) is added to the room. Only an excess counts
+(a count below vLLM's usage is what preemptions correct), at most MAX_SHARE of the cache; a
+preemption while a correction is in force halves how large it may be again. Off by default until a
+GPU lease measures it.
 """
 from __future__ import annotations
 
@@ -45,8 +46,10 @@ class UsageFeedback:
             self.max_blocks = max(self.max_blocks, self.blocks)
 
     def preempted(self) -> None:
-        """vLLM ran out of blocks: the room was not there. Start again, allowed half as much."""
-        self.cap = min(self.cap, self.blocks) // 2
+        """vLLM ran out of blocks. With a correction in force, the room it added was not there: start
+        again, allowed half of it. Without one, the correction did not cause it: the cap stays."""
+        if self.blocks > 0:
+            self.cap = self.blocks // 2
         self.blocks = 0
         self._gaps.clear()
 

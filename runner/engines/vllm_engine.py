@@ -223,7 +223,9 @@ class VllmEngine(Engine):
             self.loop["kv_usage_max"] = max(self.loop["kv_usage_max"], usage)
             if self.budget.project:
                 self.loop["kv_counted_sum"] += self.budget.blocks_held() / self.budget.total_blocks
-            self.budget.observe_usage(usage)
+            waiting = next((m.value for m in metrics if m.name == "vllm:num_requests_waiting"), None)
+            if isinstance(waiting, (int, float)):  # without the gauge, no sample: a queue would mislead it
+                self.budget.observe_usage(usage, int(waiting))
 
     @staticmethod
     def _completion(req: Request, out, t0: float, streamed: Optional[tuple[list[str], list[int]]] = None) -> Completion:
