@@ -16,22 +16,7 @@ import time
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--input", required=True)
-    ap.add_argument("--schema", required=True)
-    ap.add_argument("--max-tokens", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--sorted", action="store_true", help="sort rows by system prompt before generating")
-    ap.add_argument("--num-gpu-blocks", type=int, default=None, help="the tight regime: a KV cache of this many blocks")
-    ap.add_argument("--load-format", default=None, help="dummy: random weights from the config alone")
-    ap.add_argument("--cpu", action="store_true", help="settings the CPU engine needs to start (KV cap, eager)")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--limit", type=int, default=None, help="only the first N rows (a warm-up)")
-    ap.add_argument("--backend", default="xgrammar", help="vLLM's structured-output backend")
-    ap.add_argument("--no-schema", action="store_true", help="free text: what the token masks cost")
-    ap.add_argument("--llm-kw", default="{}", help="JSON of extra LLM(...) arguments, for experiments")
-    a = ap.parse_args()
+    a = _args()
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
     import pyarrow.parquet as pq
@@ -47,17 +32,8 @@ def main() -> None:
     schema = json.loads(open(a.schema, encoding="utf-8").read())
     read_s = time.perf_counter() - t_read
 
-    kw = dict(model=a.model, max_model_len=a.max_model_len, disable_log_stats=False,
-              structured_outputs_config={"backend": a.backend, "disable_any_whitespace": True})
-    if a.num_gpu_blocks:
-        kw["num_gpu_blocks_override"] = a.num_gpu_blocks
-    if a.load_format:
-        kw["load_format"] = a.load_format
-    if a.cpu:  # the CPU engine refuses to start with its default memory fraction; same KV as the runner
-        kw |= {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "block_size": 32}
-    kw |= json.loads(a.llm_kw)
     t_load = time.perf_counter()
-    llm = LLM(**kw)
+    llm = LLM(**_llm_kwargs(a))
     load_s = time.perf_counter() - t_load
     guided = None if a.no_schema else StructuredOutputsParams(json=schema)
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, seed=0, structured_outputs=guided)
@@ -81,6 +57,38 @@ def main() -> None:
         "preemptions": metrics.get("vllm:num_preemptions", 0),
         "kv_total_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
     }), flush=True)
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--schema", required=True)
+    ap.add_argument("--max-tokens", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sorted", action="store_true", help="sort rows by system prompt before generating")
+    ap.add_argument("--num-gpu-blocks", type=int, default=None, help="the tight regime: a KV cache of this many blocks")
+    ap.add_argument("--load-format", default=None, help="dummy: random weights from the config alone")
+    ap.add_argument("--cpu", action="store_true", help="settings the CPU engine needs to start (KV cap, eager)")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--limit", type=int, default=None, help="only the first N rows (a warm-up)")
+    ap.add_argument("--backend", default="xgrammar", help="vLLM's structured-output backend")
+    ap.add_argument("--no-schema", action="store_true", help="free text: what the token masks cost")
+    ap.add_argument("--llm-kw", default="{}", help="JSON of extra LLM(...) arguments, for experiments")
+    return ap.parse_args()
+
+
+def _llm_kwargs(a: argparse.Namespace) -> dict:
+    """LLM(...) as a user would start it: vLLM's defaults, the benchmark's schema settings."""
+    kw = dict(model=a.model, max_model_len=a.max_model_len, disable_log_stats=False,
+              structured_outputs_config={"backend": a.backend, "disable_any_whitespace": True})
+    if a.num_gpu_blocks:
+        kw["num_gpu_blocks_override"] = a.num_gpu_blocks
+    if a.load_format:
+        kw["load_format"] = a.load_format
+    if a.cpu:  # the CPU engine refuses to start with its default memory fraction; same KV as the runner
+        kw |= {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "block_size": 32}
+    return kw | json.loads(a.llm_kw)
 
 
 def _validator(schema: dict):
