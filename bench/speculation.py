@@ -123,25 +123,7 @@ def verify(spec: dict, work: Path, speculative: dict, rows: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", required=True, help="a job file, or `incidents` / `invoices` for bench/workload.py's")
-    ap.add_argument("--rows", type=int, default=300, help="rows of a bench/workload.py job")
-    ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2-cpu.yaml"), help="engine config of a workload job")
-    ap.add_argument("--model", default=None, help="model folder of a workload job (default: the config's)")
-    ap.add_argument("--tight-blocks", type=int, default=None, help="num_gpu_blocks_override of a workload job")
-    ap.add_argument("--no-auto", action="store_true", help="skip the speculative: auto run")
-    ap.add_argument("--machine", default="this CPU machine")
-    ap.add_argument("--workdir", default="/tmp/runner-speculation")
-    ap.add_argument("--holdout", type=float, default=0.2)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--ngram", default="2,3,4,5,6")
-    ap.add_argument("--draft", default="2,3,4")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--reuse-draft", action="store_true", help="keep a draft an earlier run of this bench distilled")
-    ap.add_argument("--verify-rows", type=int, default=128, help="held-out rows each verify compares")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = _args()
     install_handlers()
     if a.job in ("incidents", "invoices"):
         (Path(a.workdir) / a.job).mkdir(parents=True, exist_ok=True)
@@ -160,13 +142,7 @@ def main() -> None:
     spec = held_out_job(job_path, work, a.holdout)
     ngram = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     draft = {"method": "draft_model", "model": str(work / "draft")}
-    configs = [("off", None, None)]
-    configs += [(f"ngram_k{k}", ngram | {"num_speculative_tokens": int(k)}, None) for k in a.ngram.split(",")]
-    configs += [(f"draft_k{k}", draft | {"num_speculative_tokens": int(k)}, None) for k in a.draft.split(",")]
-    candidates = [{"method": "ngram", "options": {"prompt_lookup_max": 4, "prompt_lookup_min": 2}},
-                  {"method": "draft_model", "model": str(work / "draft"), "max_draft_tokens": max(map(int, a.draft.split(",")))}]
-    if not a.no_auto:
-        configs.append(("auto", "auto", {"rows": 12, "candidates": candidates}))
+    configs = _configs(a, ngram, draft)
     runs = []
     for rep in range(a.repeats):  # interleaved: each round runs every configuration once
         for name, speculative, calibration in configs:
@@ -186,6 +162,40 @@ def main() -> None:
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=1, default=str))
 
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", required=True, help="a job file, or `incidents` / `invoices` for bench/workload.py's")
+    ap.add_argument("--rows", type=int, default=300, help="rows of a bench/workload.py job")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2-cpu.yaml"), help="engine config of a workload job")
+    ap.add_argument("--model", default=None, help="model folder of a workload job (default: the config's)")
+    ap.add_argument("--tight-blocks", type=int, default=None, help="num_gpu_blocks_override of a workload job")
+    ap.add_argument("--no-auto", action="store_true", help="skip the speculative: auto run")
+    ap.add_argument("--machine", default="this CPU machine")
+    ap.add_argument("--workdir", default="/tmp/runner-speculation")
+    ap.add_argument("--holdout", type=float, default=0.2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--ngram", default="2,3,4,5,6")
+    ap.add_argument("--draft", default="2,3,4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--reuse-draft", action="store_true", help="keep a draft an earlier run of this bench distilled")
+    ap.add_argument("--verify-rows", type=int, default=128, help="held-out rows each verify compares")
+    ap.add_argument("--out", default=None)
+    return ap.parse_args()
+
+
+def _configs(a: argparse.Namespace, ngram: dict, draft: dict) -> list[tuple]:
+    """(name, speculative setting, calibration) of every configuration a round runs."""
+    configs = [("off", None, None)]
+    configs += [(f"ngram_k{k}", ngram | {"num_speculative_tokens": int(k)}, None) for k in a.ngram.split(",")]
+    configs += [(f"draft_k{k}", draft | {"num_speculative_tokens": int(k)}, None) for k in a.draft.split(",")]
+    candidates = [{"method": "ngram", "options": {"prompt_lookup_max": 4, "prompt_lookup_min": 2}},
+                  {"method": "draft_model", "model": draft["model"], "max_draft_tokens": max(map(int, a.draft.split(",")))}]
+    if not a.no_auto:
+        configs.append(("auto", "auto", {"rows": 12, "candidates": candidates}))
+    return configs
 
 def medians(runs: list[dict]) -> dict[str, dict]:
     """One row per configuration: the median run by documents/s, with the spread beside it."""
