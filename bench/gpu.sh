@@ -14,6 +14,10 @@
 #   WARMUP="invoices/tight/135m=runner;invoices/tight/8b=runner" BENCH_COMMIT=<commit> \
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1100 --cases \
 #     "invoices/tight/135m=runner_first@1;invoices/tight/135m=runner,nowave,feedback,sorted;invoices/tight/8b=runner,sorted"
+# On nvidia-h200-x2 (two replicas, 8,192 documents; Ray needs EXTRA="ray[data]" in the wheelhouse), with
+# each replica's engine core in its actor's process (ip) against vLLM's own process:
+#   WARMUP="invoices/roomy/135m=runner" bash bench/gpu.sh start --cases "" --deadline-s 1100 \
+#     --multi "invoices/roomy/135m=ray1,ray2,ray1ip,ray2ip@2"
 set -u
 BENCH="${BENCH:-bench/bench.py}"
 export PYTHONPATH=/tmp/site VLLM_CACHE_ROOT=/tmp/vllm-cache RUNNER_CACHE=/tmp/runner-cache PYTHONUNBUFFERED=1 \
