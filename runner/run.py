@@ -33,7 +33,6 @@ from runner.spec import Job
 from runner.store import DoneFilter, Store
 
 
-
 @dataclass
 class RunOptions:
     """How to run a job: the CLI's flags, and the seams tests use."""
