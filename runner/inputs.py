@@ -202,17 +202,17 @@ def documents_from_batches(batches, spec: InputSpec, system_prompt, skip=frozens
             yield Document(row_id=rid, text=texts[i] or "", fields=fields, problem=problem, system_prompt=system)
 
 
-def prefetch(items, max_items: int) -> Iterator:
+def prefetch(items, max_items: int) -> "Prefetched":
     """Read `items` ahead in a thread (at most max_items waiting), starting now: reading the input
     then overlaps with starting the engine. Errors surface where the item would have been."""
     import queue
     import threading
 
     q: queue.Queue = queue.Queue(maxsize=max(max_items, 1))
-    done, stop = object(), threading.Event()
+    ahead = Prefetched(q)
 
     def put(entry) -> bool:
-        while not stop.is_set():
+        while not ahead.stop.is_set():
             try:
                 q.put(entry, timeout=0.2)
                 return True
@@ -225,22 +225,46 @@ def prefetch(items, max_items: int) -> Iterator:
             for item in items:
                 if not put((item, None)):
                     return
-            put((done, None))
+            put((Prefetched.DONE, None))
         except BaseException as exc:  # handed to the reader, raised there
-            put((done, exc))
+            put((Prefetched.DONE, exc))
 
-    threading.Thread(target=fill, name="runner-input", daemon=True).start()
+    ahead.thread = threading.Thread(target=fill, name="runner-input", daemon=True)
+    ahead.thread.start()
+    return ahead
 
-    def read() -> Iterator:
-        try:
-            while True:
-                item, exc = q.get()
-                if exc is not None:
-                    raise exc
-                if item is done:
-                    return
-                yield item
-        finally:
-            stop.set()
 
-    return read()
+class Prefetched:
+    """The items prefetch reads ahead, as an iterator; close() (also at the end, on an error, and
+    when dropped) stops the reading thread, whether or not anything was read: a run that fails
+    before its first row must not leave the thread reading (and asking the database) behind it."""
+
+    DONE = object()
+
+    def __init__(self, q):
+        import threading
+
+        self.q, self.stop, self.thread = q, threading.Event(), None
+
+    def __iter__(self) -> "Prefetched":
+        return self
+
+    def __next__(self):
+        if self.stop.is_set():
+            raise StopIteration
+        item, exc = self.q.get()
+        if exc is not None:
+            self.close()
+            raise exc
+        if item is Prefetched.DONE:
+            self.close()
+            raise StopIteration
+        return item
+
+    def close(self, wait_s: float = 1.0) -> None:
+        self.stop.set()
+        if self.thread is not None and self.thread.is_alive():
+            self.thread.join(wait_s)  # it notices within one put's timeout, or after the item in hand
+
+    def __del__(self) -> None:
+        self.stop.set()

@@ -90,6 +90,9 @@ class Interrupted(RunnerError):
 
 
 def _raise_interrupted(signum, _frame):
+    # A second SIGTERM while the first unwinds (storing the open batch, marking the run) is ignored:
+    # raised again, it would lose that batch and leave the run row `running`.
+    signal.signal(signum, signal.SIG_IGN)
     raise Interrupted(f"stopped by signal {signal.Signals(signum).name}; finished rows are stored, rerun to resume")
 
 
@@ -227,12 +230,15 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
     progress = progress_factory(work.todo) if progress_factory else None
     collector = ResultCollector(job, store, run_id, RequestBuilder(job, builder), progress, work.fingerprint,
                                 clock=clock)
-    source = collector.requests(build_ahead(job, collector.rb, work.is_done, work.skip) if work.todo else iter(()))
+    ahead = build_ahead(job, collector.rb, work.is_done, work.skip) if work.todo else None
+    source = collector.requests(ahead if ahead is not None else iter(()))
     choice = None
     try:
         if work.todo:  # every row is stored already: a rerun from cron costs no engine start
             choice = _generate(job, engines, collector, source, ctx)
     finally:
+        if ahead is not None:  # the reading thread stops here, read to the end or not
+            ahead.close()
         collector.flush()  # rows that finished before a failure or a signal are kept
         engines.stop()
         if progress is not None and hasattr(progress, "close"):
@@ -284,14 +290,16 @@ def _calibrate(job: Job, engine_factory: Callable[[Job], Engine], wait: bool, cl
     builder = builder_for(job)
     with JobLock(job.database_path, job.name, wait=wait):
         store = Store(job.database_path)
-        engines = EngineSequence(engine_factory, clock=clock)
+        engines, ahead = EngineSequence(engine_factory, clock=clock), None
         try:
             collector = ResultCollector(job, store, None, RequestBuilder(job, builder), None, None,
                                         keep_results=False, clock=clock)
-            source = collector.requests(build_ahead(job, collector.rb, None, scan.skip))
+            ahead = build_ahead(job, collector.rb, None, scan.skip)
             ctx = CalibrationContext(store, calibration_key(job, scan.system_prompt_keys), scan.rows, None, force=True)
-            record, _ = calibrate(job, engines, collector, source, ctx)
+            record, _ = calibrate(job, engines, collector, collector.requests(ahead), ctx)
         finally:
+            if ahead is not None:
+                ahead.close()
             engines.stop()
             store.close()
         return record

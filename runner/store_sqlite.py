@@ -37,8 +37,11 @@ class DoneFilter:
         self.cond = "status = 'ok'" if ok_only else "(fingerprint = ? OR fingerprint IS NULL)"
         self.ok_only = ok_only
         self._con: Optional[sqlite3.Connection] = None
+        self._closed = False
 
     def __call__(self, ids: list[str]) -> set[str]:
+        if self._closed:  # a reading thread that outlived its run must not open the database again
+            raise RuntimeError("the done-row filter is closed")
         if self._con is None:
             self._con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000,
                                         check_same_thread=False)
@@ -52,6 +55,7 @@ class DoneFilter:
         return out
 
     def close(self) -> None:
+        self._closed = True
         if self._con is not None:
             self._con.close()
             self._con = None

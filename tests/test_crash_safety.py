@@ -235,3 +235,76 @@ def test_run_job_from_another_thread_keeps_the_processs_signal_handling(make_job
     assert "error" not in out, out.get("error")
     assert sum(out["summary"].job_counts.values()) == 4
     assert signals.getsignal(signals.SIGTERM) is before
+
+
+def test_a_run_that_fails_before_reading_leaves_no_reading_thread(make_job):
+    """The engine fails before the first row is read: the thread reading ahead stops with the run
+    (and never opens the database again), instead of reading on behind it."""
+    import threading
+
+    import pytest
+
+    from runner.errors import EngineError
+    from runner.run import run_job
+    from runner.spec import load_job
+
+    job = load_job(make_job(rows=3000))
+
+    def broken(_job):
+        raise EngineError("no engine today")
+
+    with pytest.raises(EngineError):
+        run_job(job, engine_factory=broken)
+    time.sleep(0.5)
+    assert not [t for t in threading.enumerate() if t.name == "runner-input" and t.is_alive()]
+
+
+def test_a_lock_wait_stopped_by_a_signal_closes_its_file(tmp_path):
+    """A SIGTERM (here an alarm's exception) while --wait waits for the lock leaves no descriptor open."""
+    from runner.lock import JobLock
+
+    class Stop(Exception):
+        pass
+
+    def raise_stop(*_):
+        raise Stop
+
+    db = tmp_path / "results.sqlite"
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    with JobLock(db, "job"):
+        before = fds()
+        old = signal.signal(signal.SIGALRM, raise_stop)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            with pytest.raises(Stop):
+                with JobLock(db, "job", wait=True, poll_s=0.05):
+                    pass
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert fds() == before
+
+
+def test_a_run_stopped_right_after_its_row_exists_ends_interrupted(make_job, tmp_path):
+    """Stopped between begin_run and the engine (here by Ctrl-C while it reports rows left out),
+    the run row ends `interrupted`, not `running`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from runner.engines.fake import FakeEngine
+    from runner.run import run_job
+    from runner.spec import load_job
+
+    docs = tmp_path / "data" / "bad.parquet"
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": ["a", "a", "b"], "text": ["x", "y", "z"], "system_prompt": ["S", "S", "S"]}), docs)
+    job = load_job(make_job(docs=docs, job={"input": {"on_bad_row": "store"}}))
+
+    def notify(message: str) -> None:
+        if "left out" in message:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema), notify=notify)
+    con = sqlite3.connect(job.database_path)
+    assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]

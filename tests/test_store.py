@@ -129,3 +129,18 @@ def test_a_database_of_the_first_schema_is_upgraded_and_its_rows_kept(make_job, 
     assert [r[0] for r in con.execute("SELECT name FROM _migrations ORDER BY name")] == [m.__name__ for m in MIGRATIONS]
     kept = con.execute("SELECT extraction_json, fingerprint FROM results WHERE row_id = 'r000'").fetchone()
     assert kept == ('{"summary": "old", "sentiment": "neutral"}', None)
+
+
+def test_a_closed_done_filter_refuses_instead_of_opening_the_database_again(tmp_path):
+    """A reading thread that outlives its run must not reconnect to the database after the run closed the filter."""
+    import pytest
+
+    from runner.store_sqlite import DoneFilter
+
+    store = Store(tmp_path / "r.sqlite")
+    f = DoneFilter(store.path, "job", "fp", ok_only=False)
+    assert f(["a"]) == set()
+    f.close()
+    with pytest.raises(RuntimeError):
+        f(["a"])
+    store.close()
