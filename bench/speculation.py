@@ -163,7 +163,6 @@ def main() -> None:
         Path(a.out).write_text(json.dumps(doc, indent=1, default=str))
 
 
-
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", required=True, help="a job file, or `incidents` / `invoices` for bench/workload.py's")
@@ -196,6 +195,7 @@ def _configs(a: argparse.Namespace, ngram: dict, draft: dict) -> list[tuple]:
     if not a.no_auto:
         configs.append(("auto", "auto", {"rows": 12, "candidates": candidates}))
     return configs
+
 
 def medians(runs: list[dict]) -> dict[str, dict]:
     """One row per configuration: the median run by documents/s, with the spread beside it."""

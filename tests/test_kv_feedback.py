@@ -70,7 +70,7 @@ def test_switched_off_it_reports_the_gap_and_corrects_nothing():
 
 def budget_with_two_sent(feedback: bool) -> tuple[KvBudget, Request]:
     b = KvBudget(total_blocks=60, block_tokens=16, project=False)
-    b.project = True  # the count is kept (blocks_held) while admission stays by the sum of peaks
+    b.project = True  # the count is kept (blocks_held); the projection then joins the sum of peaks
     b.feedback = UsageFeedback(60, enabled=feedback)
     for i in range(2):  # 160 prompt tokens and 160 output: 21 blocks at the peak, 10 held now
         b.submitted(b.admit(Request(f"r{i}", "g", list(range(160)), 160, 0)))
