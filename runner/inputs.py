@@ -209,10 +209,10 @@ def prefetch(items, max_items: int) -> "Prefetched":
     import threading
 
     q: queue.Queue = queue.Queue(maxsize=max(max_items, 1))
-    ahead = Prefetched(q)
+    stop = threading.Event()  # the thread holds this, not the Prefetched: dropped, that can stop it
 
     def put(entry) -> bool:
-        while not ahead.stop.is_set():
+        while not stop.is_set():
             try:
                 q.put(entry, timeout=0.2)
                 return True
@@ -229,9 +229,9 @@ def prefetch(items, max_items: int) -> "Prefetched":
         except BaseException as exc:  # handed to the reader, raised there
             put((Prefetched.DONE, exc))
 
-    ahead.thread = threading.Thread(target=fill, name="runner-input", daemon=True)
-    ahead.thread.start()
-    return ahead
+    thread = threading.Thread(target=fill, name="runner-input", daemon=True)
+    thread.start()
+    return Prefetched(q, stop, thread)
 
 
 class Prefetched:
@@ -241,10 +241,8 @@ class Prefetched:
 
     DONE = object()
 
-    def __init__(self, q):
-        import threading
-
-        self.q, self.stop, self.thread = q, threading.Event(), None
+    def __init__(self, q, stop, thread):
+        self.q, self.stop, self.thread = q, stop, thread
 
     def __iter__(self) -> "Prefetched":
         return self
@@ -263,7 +261,7 @@ class Prefetched:
 
     def close(self, wait_s: float = 1.0) -> None:
         self.stop.set()
-        if self.thread is not None and self.thread.is_alive():
+        if self.thread.is_alive():
             self.thread.join(wait_s)  # it notices within one put's timeout, or after the item in hand
 
     def __del__(self) -> None:

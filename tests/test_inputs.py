@@ -153,3 +153,19 @@ def test_hive_partition_folders_become_columns(tmp_path):
     assert [(r.row_id, r.fields["desk"]) for r in rows] == [("r000", "sports"), ("r001", "sports"),
                                                              ("r002", "sports"), ("z1", "weather")]
     assert scan_input(str(tmp_path / "in"), spec).rows == 4
+
+
+def test_a_prefetch_dropped_unread_stops_its_thread():
+    """Dropped without close() and before its first item (a caller that failed early), the
+    reading thread still stops: it does not hold the Prefetched alive."""
+    import gc
+    import itertools
+
+    from runner.inputs import prefetch
+
+    ahead = prefetch(itertools.count(), 2)  # never ends on its own
+    thread = ahead.thread
+    del ahead
+    gc.collect()
+    thread.join(2.0)
+    assert not thread.is_alive()

@@ -26,6 +26,12 @@ from runner.spec import SamplingSpec
 PREEMPTION_CHECK_S = 1.0
 
 
+def _gauge(metrics: list, name: str) -> Optional[float]:
+    """The value of one of vLLM's gauges in LLM.get_metrics(), or None where it is not reported."""
+    value = next((getattr(m, "value", None) for m in metrics if m.name == name), None)
+    return value if isinstance(value, (int, float)) else None
+
+
 def sampling_params(sampling: SamplingSpec, max_tokens: int, retry: bool = False, **fixed):
     """vllm.SamplingParams of the job's sampling section (a retry's: with its repetition penalty);
     vLLM's refusal as a SpecError."""
@@ -216,15 +222,15 @@ class VllmEngine(Engine):
     def _sample_kv(self, metrics: list) -> None:
         """vLLM's KV usage now, beside the budget's own count (which assumes a token a step: with
         drafts, where the projection is off, the count is not kept)."""
-        usage = next((m.value for m in metrics if m.name == "vllm:kv_cache_usage_perc"), None)
-        if isinstance(usage, (int, float)) and self.feed.in_flight and self.budget.total_blocks:
+        usage = _gauge(metrics, "vllm:kv_cache_usage_perc")
+        if usage is not None and self.feed.in_flight and self.budget.total_blocks:
             self.loop["kv_samples"] += 1
             self.loop["kv_usage_sum"] += usage
             self.loop["kv_usage_max"] = max(self.loop["kv_usage_max"], usage)
             if self.budget.project:
                 self.loop["kv_counted_sum"] += self.budget.blocks_held() / self.budget.total_blocks
-            waiting = next((m.value for m in metrics if m.name == "vllm:num_requests_waiting"), None)
-            if isinstance(waiting, (int, float)):  # without the gauge, no sample: a queue would mislead it
+            waiting = _gauge(metrics, "vllm:num_requests_waiting")
+            if waiting is not None:  # without the gauge, no sample: a queue would mislead it
                 self.budget.observe_usage(usage, int(waiting))
 
     @staticmethod
