@@ -128,13 +128,15 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
         summary = run_job(
             spec, engine_factory=lambda j: build_engine(j, engine), restart=restart, wait=wait,
             progress_factory=_progress(spec, quiet), recalibrate=recalibrate, retry_failed=retry_failed,
-            verify_gate=not no_verify,
+            verify_gate=not no_verify, exits_after=True,  # main() ends the process once the run completed
             notify=None if quiet else (lambda msg: warn(f"Note: {msg}")), log_path=str(log) if log else None,
             # Ray imports vLLM in its replicas, not here
             on_input_ok=(lambda: preload(spec, engine)) if spec.spec.executor == "local" else None)
+    # Completed and stored, whatever the exit code below; its last engine was let go: main() must end
+    # the process at once, also where the summary cannot be printed.
+    _finished_run["executor"] = spec.spec.executor
     if not quiet:
         say(run_summary(summary))
-    _finished_run["executor"] = spec.spec.executor  # completed and stored, whatever the exit code below
     limit = spec.spec.output.max_failed_fraction
     if summary.failed_fraction > limit:
         bad = sum(summary.job_counts.values()) - summary.job_counts.get("ok", 0)

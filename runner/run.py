@@ -7,10 +7,7 @@ Results are committed every `output.commit_every_rows` rows; a kill loses at mos
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -21,7 +18,6 @@ from runner.engines.calibrate import CalibrationContext, calibrate
 from runner.engines.sequence import EngineSequence
 from runner.engines.speculation import Baseline, passes, setting_key, with_speculative
 from runner.engines.vllm_settings import job_with_grammar
-from runner.errors import RunnerError
 from runner.fingerprint import calibration_key, changed_parts, digest, result_fingerprint
 from runner.inputs import InputScan
 from runner.lock import JobLock
@@ -29,6 +25,7 @@ from runner.prompting import PromptBuilder, builder_for
 from runner.readers import LocalReader
 from runner.requests import RequestBuilder, build_ahead
 from runner.rows import StatsRow, Status
+from runner.signals import Interrupted, sigterm_interrupts
 from runner.spec import Job
 from runner.store import DoneFilter, Store
 
@@ -46,6 +43,7 @@ class RunOptions:
     on_input_ok: Optional[Callable[[], None]] = None  # once input, model, lock and database are fine
     notify: Optional[Callable[[str], None]] = None  # told what the run will redo, before it starts
     verify_gate: bool = True  # a speculative setting whose stored verification failed is not used
+    exits_after: bool = False  # the caller ends the process after a completed run (the CLI): see Engine.let_go
     clock: Callable[[], float] = time.perf_counter
 
 
@@ -83,35 +81,6 @@ class RunSummary:
         return (total - self.job_counts.get(Status.OK.value, 0)) / total if total else 0.0
 
 
-class Interrupted(RunnerError):
-    """The run was stopped by SIGTERM or Ctrl-C; what finished is stored."""
-
-    exit_code = 130
-
-
-def _raise_interrupted(signum, _frame):
-    # A second SIGTERM while the first unwinds (storing the open batch, marking the run) is ignored:
-    # raised again, it would lose that batch and leave the run row `running`.
-    signal.signal(signum, signal.SIG_IGN)
-    raise Interrupted(f"stopped by signal {signal.Signals(signum).name}; finished rows are stored, rerun to resume")
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts():
-    """SIGTERM raises Interrupted from the first step on (a wait for the lock, the grammar's
-    measuring child, which subprocess.run then kills), not only once the run row exists: cron and
-    systemd see exit 130 and one Error: line rather than a bare death by signal. Only the main
-    thread can set a handler: called from another thread, the process's own handling stays."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGTERM, _raise_interrupted)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def run_job(job: Job, engine_factory: Callable[[Job], Engine] = build_engine, options: Optional[RunOptions] = None,
             **kw) -> RunSummary:
     """Run a job to completion (or resume it). Raises RunnerError subclasses; never prints.
@@ -120,7 +89,7 @@ def run_job(job: Job, engine_factory: Callable[[Job], Engine] = build_engine, op
     schema, prompt, sampling...) run again and the old results move to results_history. Options:
     RunOptions, or its fields as keywords."""
     opts = options or RunOptions(**kw)
-    with _sigterm_interrupts():
+    with sigterm_interrupts():
         return _run(job, engine_factory, opts)
 
 
@@ -179,7 +148,7 @@ def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Stor
                 opts.notify(f"{len(scan.skip):,} input rows left out (null or repeated ids; input.on_bad_row: store): "
                             f"see the rejected_rows table of {job.database_path}")
         ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
-        engines = EngineSequence(engine_factory, clock=opts.clock,
+        engines = EngineSequence(engine_factory, clock=opts.clock, let_go_last=opts.exits_after,
                                  on_start=lambda info: store.set_engine(run_id, info.backend, info.version, info.settings))
         return _execute(job, store, run_id, engines, builder, work, opts.progress_factory, ctx)
     except BaseException as exc:
@@ -232,15 +201,16 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
                                 clock=clock)
     ahead = build_ahead(job, collector.rb, work.is_done, work.skip) if work.todo else None
     source = collector.requests(ahead if ahead is not None else iter(()))
-    choice = None
+    choice, completed = None, False
     try:
         if work.todo:  # every row is stored already: a rerun from cron costs no engine start
             choice = _generate(job, engines, collector, source, ctx)
+        completed = True
     finally:
         if ahead is not None:  # the reading thread stops here, read to the end or not
             ahead.close()
         collector.flush()  # rows that finished before a failure or a signal are kept
-        engines.stop()
+        engines.stop(completed)
         if progress is not None and hasattr(progress, "close"):
             progress.close()
     stats = StatsRow.build(collector.counts, collector.tokens, engines.used, wall_s=clock() - t_start,
@@ -280,7 +250,7 @@ def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_e
                   clock: Callable[[], float] = time.perf_counter) -> dict:
     """`runner calibrate`: measure the job's speculation on its own rows (done or not) and store the
     choice for later runs. Nothing is written to the job's results."""
-    with _sigterm_interrupts():
+    with sigterm_interrupts():
         return _calibrate(job, engine_factory, wait, clock)
 
 

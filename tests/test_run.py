@@ -177,3 +177,42 @@ def test_example_for_schema_satisfies_the_sample_schema():
 
     schema = json.loads((ROOT / "schemas" / "summarize.schema.json").read_text())
     jsonschema.validate(example_for_schema(schema, "doc-1"), schema)
+
+
+class Releases(FakeEngine):
+    """Records how it was released: closed (waited for) or let go (the process ends next)."""
+
+    def __init__(self, schema, released: list, fail_after: int = 0):
+        super().__init__(schema)
+        self.released, self.fail_after, self.polls = released, fail_after, 0
+
+    def poll(self):
+        self.polls += 1
+        if self.fail_after and self.polls > self.fail_after:
+            raise EngineError("vLLM engine failed: lost the device")
+        return super().poll()
+
+    def close(self):
+        self.released.append("close")
+
+    def let_go(self):
+        self.released.append("let_go")
+
+
+@pytest.mark.parametrize("exits_after, expected", [(True, ["let_go"]), (False, ["close"])])
+def test_last_engine_of_a_completed_run_is_let_go_only_when_the_process_ends_next(make_job, exits_after, expected):
+    job = load_job(make_job(rows=12))
+    released: list = []
+    s = run_job(job, engine_factory=lambda j: Releases(j.output_schema, released), exits_after=exits_after)
+    assert s.stats["rows_ok"] == 12
+    assert released == expected
+
+
+def test_an_engine_that_fails_is_closed_not_let_go(make_job):
+    # The CLI then leaves through the interpreter's exit, which needs the engine shut down.
+    job = load_job(make_job(rows=40))
+    released: list = []
+    with pytest.raises(EngineError):
+        run_job(job, engine_factory=lambda j: Releases(j.output_schema, released, fail_after=1), exits_after=True)
+    assert released == ["close"]
+    assert sqlite3.connect(job.database_path).execute("SELECT status FROM runs").fetchall() == [("failed",)]

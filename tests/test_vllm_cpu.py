@@ -354,3 +354,40 @@ def test_real_run_with_examples_a_system_template_and_open_sampling(make_job, tm
                      "--set", "sampling.retry_repetition_penalty=1.3", job)
     assert result.returncode == 0, result.stderr[-3000:]
     assert con.execute("SELECT DISTINCT attempts, first_status FROM results").fetchall() == [(2, "truncated")]
+
+
+def test_a_completed_run_lets_its_engine_core_process_go_and_nothing_is_left_running(make_job, tmp_path):
+    # `runner run` does not wait for the engine core's teardown (Engine.let_go): the core is told to
+    # stop and ends on its own, with the workers it started.
+    import subprocess
+    import time
+
+    import psutil
+
+    job = make_job(rows=4, engine={"in_process": False})
+    proc = subprocess.Popen(runner_cmd("run", "--quiet", job), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    seen: set[int] = set()
+    while proc.poll() is None:
+        try:
+            seen |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.2)
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert seen, "vLLM's engine core did not run in a process of its own"
+
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(running(p) for p in seen) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in seen if running(p)]
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT status FROM runs").fetchall() == [("completed",)]
+    assert con.execute("SELECT count(*) FROM results").fetchone()[0] == 4

@@ -140,6 +140,11 @@ class Engine(ABC):
     def close(self) -> None:
         """Release the engine (default: nothing to release)."""
 
+    def let_go(self) -> None:
+        """The process ends right after this (a completed `runner run`): release what would outlive
+        it without waiting for the rest (default: close)."""
+        self.close()
+
     def __enter__(self) -> "Engine":
         return self
 

@@ -39,8 +39,9 @@ class EngineSequence:
     """Starts the engines of one run in turn and sums their load time, generation time and counters."""
 
     def __init__(self, factory: Callable, on_start: Optional[Callable[[EngineInfo], None]] = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, let_go_last: bool = False):
         self.factory, self.on_start = factory, on_start
+        self.let_go_last = let_go_last  # the process ends after a completed run: do not wait for the last engine
         self.clock = clock  # injected: tests run calibration on a fake clock
         self.engine: Optional[Engine] = None
         self.speculative: Optional[dict] = None
@@ -87,11 +88,13 @@ class EngineSequence:
         return Phase(draft_tokens, collector.rows_done - rows0, collector.tokens["completion"] - out0, dt,
                      self.engine.counters() - c0)
 
-    def stop(self) -> None:
+    def stop(self, completed: bool = False) -> None:
+        """Close the current engine; the last one of a completed run is let go when the process
+        ends right after it (see Engine.let_go)."""
         if self.engine is not None:
             engine, self.engine = self.engine, None
             try:
                 self.used = self.used + (engine.counters() - self._before)
                 self.adaptations.append({"settings": engine.info.settings, **engine.adaptation()})
             finally:
-                engine.close()
+                engine.let_go() if completed and self.let_go_last else engine.close()

@@ -1,5 +1,5 @@
-"""What vLLM is started with (its environment and vllm.LLM's keyword arguments), and the counters
-read back from its metrics."""
+"""What vLLM is started with (its environment, vllm.LLM's keyword arguments, the sampling parameters),
+what is read back from its metrics, and where it keeps its engine-core processes."""
 from __future__ import annotations
 
 import itertools
@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.base import EngineCounters
+from runner.errors import SpecError
 from runner.models import cache_root
 
 if TYPE_CHECKING:
     from runner.engines.grammar_choice import GrammarChoice
+    from runner.spec import SamplingSpec
 
 
 def offline_environment(in_process: bool) -> dict[str, str]:
@@ -151,3 +153,35 @@ def engine_counters(metrics) -> EngineCounters:
             totals.spec_accepted_per_pos = [a + b for a, b in
                                             itertools.zip_longest(totals.spec_accepted_per_pos, per_pos, fillvalue=0)]
     return totals
+
+
+def engine_core_processes(llm) -> Optional[list]:
+    """vLLM's engine-core processes of an LLM (multiprocessing handles), [] for an engine core in
+    this process, or None where this vLLM keeps them elsewhere (0.26 and 0.32 keep them here)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and type(core).__name__ == "InprocClient":
+        return []
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    procs = getattr(manager, "processes", None)
+    return list(procs) if isinstance(procs, list) else None
+
+
+def gauge(metrics: list, name: str) -> Optional[float]:
+    """The value of one of vLLM's gauges in LLM.get_metrics(), or None where it is not reported."""
+    value = next((getattr(m, "value", None) for m in metrics if m.name == name), None)
+    return value if isinstance(value, (int, float)) else None
+
+
+def sampling_params(sampling: SamplingSpec, max_tokens: int, retry: bool = False, **fixed):
+    """vllm.SamplingParams of the job's sampling section (a retry's: with its repetition penalty);
+    vLLM's refusal as a SpecError."""
+    from vllm import SamplingParams
+
+    kwargs = sampling.vllm_kwargs()
+    if retry and sampling.retry_repetition_penalty is not None:
+        kwargs["repetition_penalty"] = sampling.retry_repetition_penalty
+    try:
+        return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
+                              seed=sampling.seed, **kwargs, **fixed)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"sampling: vLLM refuses these settings: {exc}") from None

@@ -1,0 +1,38 @@
+"""SIGTERM (cron's and systemd's stop) as the runner's own Interrupted error, raised in the main
+thread wherever the run is, so that what finished is stored and the exit says so."""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+from runner.errors import RunnerError
+
+
+class Interrupted(RunnerError):
+    """The run was stopped by SIGTERM or Ctrl-C; what finished is stored."""
+
+    exit_code = 130
+
+
+def raise_interrupted(signum, _frame):
+    # A second SIGTERM while the first unwinds (storing the open batch, marking the run) is ignored:
+    # raised again, it would lose that batch and leave the run row `running`.
+    signal.signal(signum, signal.SIG_IGN)
+    raise Interrupted(f"stopped by signal {signal.Signals(signum).name}; finished rows are stored, rerun to resume")
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """SIGTERM raises Interrupted from the first step on (a wait for the lock, the grammar's
+    measuring child, which subprocess.run then kills), not only once the run row exists: cron and
+    systemd see exit 130 and one Error: line rather than a bare death by signal. Only the main
+    thread can set a handler: called from another thread, the process's own handling stays."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, raise_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
