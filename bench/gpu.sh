@@ -18,6 +18,8 @@
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1150 --cases \
 #     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,feedback,runner,sorted;invoices/tight/8b=sorted,runner"
 # The device keeps a machine only 30 s after a call: poll with back-to-back `wait 290` calls.
+# Staging takes ~1 min of device time, `install` ~1.5 min; a fresh machine's first vLLM start takes
+# ~3 min even eager, so a one-off check needs ~6 min of device time, not 3.
 # On nvidia-h200-x2 (two replicas, 8,192 documents; Ray needs EXTRA="ray[data]" in the wheelhouse), with
 # each replica's engine core in its actor's process (ip) against vLLM's own process:
 #   WARMUP="invoices/roomy/135m=runner" bash bench/gpu.sh start --cases "" --deadline-s 1100 \
@@ -64,6 +66,8 @@ wait)
   end=$(( $(date +%s) + $2 ))
   while [ "$(date +%s)" -lt "$end" ] && pgrep -f "python3 $BENCH" >/dev/null; do sleep 5; done
   pgrep -f "python3 $BENCH" >/dev/null && echo "still running" || echo "finished"
+  # Every run's engine core is shut down and waited for: nothing may still hold the GPU.
+  echo "GPU processes now: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
   grep -hE "doc/s|ERROR|Error|failed|runs planned|Traceback" /tmp/bench.log /tmp/bench-*.log 2>/dev/null | tail -40
   cp /tmp/e2e*.json /tmp/bench*.log /tmp/warmup.json /tmp/warmup.log /tmp/importtime.txt "$OUT"/ 2>/dev/null ;;
 esac

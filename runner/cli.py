@@ -152,7 +152,8 @@ def _exit_now(executor: str, code: int = 0) -> None:
     """Leave without the interpreter tearing torch, CUDA and vLLM down module by module (seconds
     on a GPU machine, on the user's wall clock; ~1.5 s on this project's CPU machine). Safe after a
     completed run, also one that exits 65 for too many rows not ok: the results database is
-    closed, the engine shut down, and the kernel releases the job's lock."""
+    closed, an engine core in a process of its own shut down (one in this process ends here: see
+    Engine.let_go), and the kernel releases the job's lock."""
     if executor == "ray":  # a local Ray cluster is stopped by ray.shutdown, not by the kernel
         import ray
 

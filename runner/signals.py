@@ -16,6 +16,7 @@ class Interrupted(RunnerError):
 
 
 def raise_interrupted(signum, _frame):
+    """The SIGTERM handler: the runner's own Interrupted, raised where the main thread is."""
     # A second SIGTERM while the first unwinds (storing the open batch, marking the run) is ignored:
     # raised again, it would lose that batch and leave the run row `running`.
     signal.signal(signum, signal.SIG_IGN)

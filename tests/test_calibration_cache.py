@@ -229,3 +229,19 @@ def test_the_usage_feedback_counts_in_the_calibration_key_only_when_on(make_job)
                         for engine in ({}, {"kv_usage_feedback": False}, {"kv_usage_feedback": True}))
     assert default == off and "kv_usage_feedback" not in default["engine"]
     assert on != default and on["engine"]["kv_usage_feedback"] is True
+
+
+def test_only_the_last_engine_of_a_calibrating_run_is_let_go(make_job):
+    # The engines calibration starts before it must be gone before the next one starts.
+    job = auto_job(make_job)
+    clock, started, factory = harness()
+    released = []
+
+    def watched(j):
+        e = factory(j)
+        e.close = lambda: released.append(("close", e.k))
+        e.let_go = lambda: released.append(("let_go", e.k))
+        return e
+
+    run_job(job, engine_factory=watched, clock=lambda: clock.now, exits_after=True)
+    assert started == [0, 4] and released == [("close", 0), ("let_go", 4)]

@@ -16,7 +16,7 @@ from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
 from runner.engines.feed import Admitted, Feed
-from runner.engines.vllm_settings import (engine_core_processes, engine_counters, gauge, llm_kwargs,
+from runner.engines.vllm_settings import (core_in_this_process, engine_counters, gauge, llm_kwargs,
                                           offline_environment, resolve_grammar, sampling_params)
 from runner.errors import EngineError, ModelError, RunnerError
 from runner.models import is_model_dir
@@ -262,18 +262,16 @@ class VllmEngine(Engine):
         return self.budget.describe() | self.feed.cadence.describe() | {"start": self.start, "loop": loop}
 
     def let_go(self) -> None:
-        """Tell vLLM's engine-core process to stop and do not wait for its teardown (4.3 s on this
-        project's CPU; plain vLLM's took 1.2 s on the H200): it ends on its own. An engine core in
-        this process ends with the process."""
-        procs = engine_core_processes(getattr(self, "llm", None))
-        if procs is None:  # a vLLM that keeps its processes elsewhere: the normal shutdown
-            return self.close()
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()  # SIGTERM: the core tears its workers down, as vLLM's own shutdown asks it to
-        # Held until the process ends: the last reference dropped would tear an engine core in this
-        # process down (~1.1 s on this CPU) and run vLLM's finalizers, which wait for the processes.
-        _LET_GO.append(self)
+        """An engine core in this process with no worker processes (`in_process`, one device) ends
+        with the process, so it is only held until os._exit: its teardown took 1.1 s on this
+        project's CPU. One in a process of its own is shut down and waited for, as close() does:
+        not waited for, it would hold the GPU and the caller's output pipes past the runner's exit,
+        with nothing to kill it if its teardown hung."""
+        alone = self.cfg.in_process and self.cfg.tensor_parallel_size == 1
+        if alone and core_in_this_process(getattr(self, "llm", None)):
+            _LET_GO.append(self)  # dropping the last reference would tear the core down now
+        else:
+            self.close()
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

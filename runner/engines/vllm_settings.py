@@ -1,5 +1,5 @@
 """What vLLM is started with (its environment, vllm.LLM's keyword arguments, the sampling parameters),
-what is read back from its metrics, and where it keeps its engine-core processes."""
+what is read back from its metrics, and where its engine core runs."""
 from __future__ import annotations
 
 import itertools
@@ -155,15 +155,11 @@ def engine_counters(metrics) -> EngineCounters:
     return totals
 
 
-def engine_core_processes(llm) -> Optional[list]:
-    """vLLM's engine-core processes of an LLM (multiprocessing handles), [] for an engine core in
-    this process, or None where this vLLM keeps them elsewhere (0.26 and 0.32 keep them here)."""
+def core_in_this_process(llm) -> bool:
+    """Whether an LLM's engine core runs in this process (vLLM's InprocClient, in 0.26 and 0.32); a
+    vLLM that names it otherwise reads as not, the cautious answer (see VllmEngine.let_go)."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and type(core).__name__ == "InprocClient":
-        return []
-    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
-    procs = getattr(manager, "processes", None)
-    return list(procs) if isinstance(procs, list) else None
+    return type(core).__name__ == "InprocClient"
 
 
 def gauge(metrics: list, name: str) -> Optional[float]:
