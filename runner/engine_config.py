@@ -92,7 +92,7 @@ class EngineConfig(Strict):
         "of requests do not finish (and peak) together"))
     kv_usage_feedback: bool = Field(default=False, description=(
         "where the runner's count of KV blocks held runs above vLLM's reported usage, add the excess "
-        "to the room (not yet measured on a GPU)"))
+        "to the room (on an H200 it changed neither the requests in flight nor the steps: off)"))
     admission_waves: bool = Field(default=True, description=(
         "where the KV cache binds, let admissions wait to go in together when a step that prefills "
         "costs more than one that only decodes (measured while running)"))

@@ -269,11 +269,11 @@ class KvBudget:
                 held += math.ceil((t.unshared_tokens + made) / self.block_tokens)
         return held + self._held_prefix
 
-    def observe_usage(self, usage: float, waiting: int = 0) -> None:
-        """vLLM's KV-cache usage (0-1) and requests waiting in its queue now, beside this budget's
-        count (see kv_feedback.py): no sample while requests wait there (they hold no blocks yet)."""
+    def observe_usage(self, usage: float, waiting: int = 0, held: Optional[int] = None) -> None:
+        """vLLM's KV-cache usage (0-1) and queue now, beside this budget's count (`held`, if counted
+        already): no sample while requests wait in the queue (they hold no blocks yet; kv_feedback.py)."""
         if self.project and self.total_blocks and waiting == 0:
-            self.feedback.observe(self.blocks_held(), usage)
+            self.feedback.observe(self.blocks_held() if held is None else held, usage)
 
     def tick(self) -> None:
         """The engine made one step; REGROW_STEPS without a preemption give back 1% of the cache."""

@@ -10,8 +10,9 @@ Why is not known. With the feedback on, vLLM's usage is taken as the truth: the 
 the last few samples (one a second, taken only while nothing waits in vLLM's queue: requests it
 queues hold no blocks yet, whatever the count assumes) is added to the room. Only an excess counts
 (a count below vLLM's usage is what preemptions correct), at most MAX_SHARE of the cache; a
-preemption while a correction is in force halves how large it may be again. Off by default until a
-GPU lease measures it.
+preemption while a correction is in force halves how large it may be again. Off by default: on
+the H200 (commit d756c93, both models, 3 rounds) the correction ended at 5-10 blocks, the excess
+coming and going within seconds, and requests in flight and engine steps were as without it.
 """
 from __future__ import annotations
 

@@ -210,11 +210,12 @@ class VllmEngine(Engine):
             self.loop["kv_samples"] += 1
             self.loop["kv_usage_sum"] += usage
             self.loop["kv_usage_max"] = max(self.loop["kv_usage_max"], usage)
-            if self.budget.project:
-                self.loop["kv_counted_sum"] += self.budget.blocks_held() / self.budget.total_blocks
+            held = self.budget.blocks_held() if self.budget.project else None
+            if held is not None:
+                self.loop["kv_counted_sum"] += held / self.budget.total_blocks
             waiting = gauge(metrics, "vllm:num_requests_waiting")
             if waiting is not None:  # without the gauge, no sample: a queue would mislead it
-                self.budget.observe_usage(usage, int(waiting))
+                self.budget.observe_usage(usage, int(waiting), held)
 
     @staticmethod
     def _completion(req: Request, out, t0: float, streamed: Optional[tuple[list[str], list[int]]] = None) -> Completion:
@@ -267,8 +268,7 @@ class VllmEngine(Engine):
         project's CPU. One in a process of its own is shut down and waited for, as close() does:
         not waited for, it would hold the GPU and the caller's output pipes past the runner's exit,
         with nothing to kill it if its teardown hung."""
-        alone = self.cfg.in_process and self.cfg.tensor_parallel_size == 1
-        if alone and core_in_this_process(getattr(self, "llm", None)):
+        if self.cfg.tensor_parallel_size == 1 and core_in_this_process(getattr(self, "llm", None)):
             _LET_GO.append(self)  # dropping the last reference would tear the core down now
         else:
             self.close()
