@@ -124,3 +124,18 @@ def test_auto_dtype_is_float32_on_a_cpu_without_native_bf16(tmp_path):
     assert resolve_dtype("auto", cpu_build=True, has_bf16=True) == "auto"  # the model's bfloat16
     assert resolve_dtype("auto", cpu_build=False, has_bf16=False) == "auto"  # GPUs do bf16
     assert resolve_dtype("bfloat16", cpu_build=True, has_bf16=False) == "bfloat16"  # asked for explicitly
+
+
+def test_every_shipped_engine_config_validates_and_the_gpu_one_keeps_vllms_graph_range():
+    """configs/*.yaml load as EngineConfig; the GPU config's CUDA graph sizes (fewer than vLLM's,
+    for a shorter start) still cover batches 1 to 512, as vLLM's default does, in the ascending
+    order vLLM expects."""
+    from pathlib import Path
+
+    from runner.spec import load_engine_config
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    configs = {p.name: load_engine_config(p, {}, p) for p in sorted(root.glob("*.yaml"))}
+    assert {"smollm2-cpu.yaml", "smollm2-h200.yaml"} <= set(configs)
+    sizes = configs["smollm2-h200.yaml"].extra_args["compilation_config"]["cudagraph_capture_sizes"]
+    assert sizes[0] == 1 and sizes[-1] == 512 and sizes == sorted(set(sizes)) and len(sizes) < 51
