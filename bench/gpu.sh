@@ -9,14 +9,16 @@
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
-# The lease that issue 11 waits for. The 135M against plain arrival has not been measured since
-# acfb79a: the lease of d756c93 ran its runner at 50.9 s, and a 1.6x needs arrival at about 81 s in
-# the same rounds. The usage feedback runs before the runner this time, because at d756c93 the
-# runner always ran first of the pair and came out 6-7% slower in generation with nothing else
-# different. About 20 minutes after staging:
-#   WARMUP="invoices/tight/135m=plain;invoices/tight/8b=plain" BENCH_COMMIT=<commit> \
-#     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1150 --cases \
-#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,feedback,runner,sorted;invoices/tight/8b=sorted,runner"
+# The lease that issue 11 waits for. At 76f8e42 the runner_first run paid 9 s of vLLM's warm-up
+# after its graph capture (1 s in later runs): it was the first process with the runner's settings
+# after a warm-up of plain ones, so WARMUP now runs the runner's settings too. The 8B shape was last
+# measured at d756c93 (no plain arrival since 15ad0d1), and the usage feedback against the runner
+# in the other order (feedback first) not at all. The 8B shape's three configurations take ~4 min a
+# round, so that lease is the 8B's, with the 135M's first run beside plain in round 1 only:
+#   WARMUP="invoices/tight/135m=plain,runner;invoices/tight/8b=plain,runner" BENCH_COMMIT=<commit> \
+#     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1000 --cases \
+#     "invoices/tight/135m=runner_first,plain@1;invoices/tight/8b=plain,sorted,runner"
+# .gpu/setup.sh is git-ignored: carry it (with the part) in every staging and install call.
 # The device keeps a machine only 30 s after a call: poll with back-to-back `wait 290` calls.
 # Staging takes ~1 min of device time, `install` ~1.5 min; a fresh machine's first vLLM start takes
 # ~3 min even eager, so a one-off check needs ~6 min of device time, not 3.
