@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 
 class Strict(BaseModel):
@@ -75,6 +75,9 @@ class EngineConfig(Strict):
     max_num_batched_tokens: Optional[int] = Field(default=None, ge=16)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    cuda_graph_sizes: Optional[list[int]] = Field(default=None, min_length=1, description=(
+        "batch sizes vLLM captures CUDA graphs at (its cudagraph_capture_sizes; default: vLLM's list, 51 "
+        "sizes up to 512). Sizes over twice max_num_seqs are left out, where vLLM's own list stops"))
     tensor_parallel_size: int = Field(default=1, ge=1)
     in_process: bool = Field(default=False, description="run vLLM's engine core in this process")
     speculative: Union[SpeculativeSpec, Literal["auto"], None] = None
@@ -101,6 +104,22 @@ class EngineConfig(Strict):
         default=None, ge=1, description="requests kept queued in the engine; default 4 x max_num_seqs"
     )
     extra_args: dict[str, Any] = Field(default={}, description="other keyword arguments for vllm.LLM")
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _positive_sizes(cls, sizes: Optional[list[int]]) -> Optional[list[int]]:
+        if sizes is not None and min(sizes) < 1:
+            raise ValueError("batch sizes must be 1 or more")
+        return sizes
+
+    def graph_sizes(self) -> Optional[list[int]]:
+        """The CUDA graph sizes vLLM gets: cuda_graph_sizes up to twice max_num_seqs (vLLM's own
+        list stops there: a larger one would only lengthen the start), at least the smallest; None
+        for vLLM's own list, or where no graph is captured (enforce_eager)."""
+        if self.cuda_graph_sizes is None or self.enforce_eager:
+            return None
+        sizes = sorted(set(self.cuda_graph_sizes))
+        return [s for s in sizes if s <= 2 * self.max_num_seqs] or sizes[:1]
 
     @property
     def needs_weights(self) -> bool:

@@ -127,9 +127,8 @@ def test_auto_dtype_is_float32_on_a_cpu_without_native_bf16(tmp_path):
 
 
 def test_every_shipped_engine_config_validates_and_the_gpu_one_keeps_vllms_graph_range():
-    """configs/*.yaml load as EngineConfig; the GPU config's CUDA graph sizes (fewer than vLLM's,
-    for a shorter start) still cover batches 1 to 512, as vLLM's default does, in the ascending
-    order vLLM expects."""
+    """configs/*.yaml load as EngineConfig; the GPU config's CUDA graph sizes (fewer than vLLM's
+    51, for a shorter start) still cover batches 1 to 512, as vLLM's own list does."""
     from pathlib import Path
 
     from runner.spec import load_engine_config
@@ -137,5 +136,31 @@ def test_every_shipped_engine_config_validates_and_the_gpu_one_keeps_vllms_graph
     root = Path(__file__).resolve().parents[1] / "configs"
     configs = {p.name: load_engine_config(p, {}, p) for p in sorted(root.glob("*.yaml"))}
     assert {"smollm2-cpu.yaml", "smollm2-h200.yaml"} <= set(configs)
-    sizes = configs["smollm2-h200.yaml"].extra_args["compilation_config"]["cudagraph_capture_sizes"]
-    assert sizes[0] == 1 and sizes[-1] == 512 and sizes == sorted(set(sizes)) and len(sizes) < 51
+    sizes = configs["smollm2-h200.yaml"].graph_sizes()
+    assert sizes[0] == 1 and sizes[-1] == 512 and len(sizes) < 51
+    assert configs["smollm2-cpu.yaml"].graph_sizes() is None  # no CUDA graphs on a CPU
+
+
+def test_cuda_graph_sizes_reach_vllm_beside_other_compilation_settings_and_stop_at_twice_max_num_seqs(tiny_model_dir):
+    """vLLM's own list stops at twice max_num_seqs: a smoke run with a small max_num_seqs must not
+    capture more graphs than vLLM would; enforce_eager captures none; a compilation_config in
+    extra_args keeps its other settings; no sizes leaves vLLM's list alone."""
+    import pytest
+    from pydantic import ValidationError
+
+    from runner.engine_config import EngineConfig
+    from runner.engines.vllm_settings import llm_kwargs
+
+    sizes = [1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512]
+    cfg = EngineConfig(model="m", max_num_seqs=8, cuda_graph_sizes=list(reversed(sizes)),
+                       extra_args={"compilation_config": {"mode": 3}})
+    assert llm_kwargs(cfg, tiny_model_dir, 0)["compilation_config"] == {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
+    big = cfg.model_copy(update={"max_num_seqs": 1024, "extra_args": {}})
+    assert llm_kwargs(big, tiny_model_dir, 0)["compilation_config"] == {"cudagraph_capture_sizes": sizes}
+    assert "compilation_config" not in llm_kwargs(big.model_copy(update={"enforce_eager": True}), tiny_model_dir, 0)
+    assert "compilation_config" not in llm_kwargs(big.model_copy(update={"cuda_graph_sizes": None}), tiny_model_dir, 0)
+    one = cfg.model_copy(update={"max_num_seqs": 1, "cuda_graph_sizes": [8, 4]})
+    assert one.graph_sizes() == [4]  # none fits: the smallest, never an empty list (vLLM refuses one)
+    for bad in ([], [0, 8]):
+        with pytest.raises(ValidationError):
+            EngineConfig(model="m", cuda_graph_sizes=bad)

@@ -125,7 +125,11 @@ def llm_kwargs(cfg: EngineConfig, model_path: Path, seed: int | None) -> dict[st
         kw["speculative_config"] = cfg.speculative.model_dump()
     if seed is not None:
         kw["seed"] = seed
-    return kw | cfg.extra_args
+    kw |= cfg.extra_args
+    sizes = cfg.graph_sizes()
+    if sizes is not None:  # beside any other compilation_config setting extra_args has
+        kw["compilation_config"] = dict(kw.get("compilation_config") or {}) | {"cudagraph_capture_sizes": sizes}
+    return kw
 
 
 _COUNTERS = {
