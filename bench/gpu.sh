@@ -9,15 +9,16 @@
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
-# The lease that issue 11 waits for. At 76f8e42 the runner_first run paid 9 s of vLLM's warm-up
-# after its graph capture (1 s in later runs): it was the first process with the runner's settings
-# after a warm-up of plain ones, so WARMUP now runs the runner's settings too. The 8B shape was last
-# measured at d756c93 (no plain arrival since 15ad0d1), and the usage feedback against the runner
-# in the other order (feedback first) not at all. The 8B shape's three configurations take ~4 min a
-# round, so that lease is the 8B's, with the 135M's first run beside plain in round 1 only:
+# The lease that issue 11 waits for. The GPU config captures CUDA graphs at 20 sizes since the lease
+# of 76f8e42, which measured it on the 135M only (up to 54 requests in flight, where the list is
+# vLLM's own): the 8B shape runs 100-125 at once, so vllmgraphs runs beside its runner. The runner's
+# graphs differ from plain's now, so WARMUP compiles both. At 76f8e42 runner_first's LLM(...) took
+# 30.5 s against 19.6-22.1 s: 9 s of vLLM's warm-up after the graph capture, which the first process
+# with new engine settings pays once (the warm-up's fewgraphs run paid it too).
+# About 20 minutes after staging (the 8B's three configurations take ~4 min a round):
 #   WARMUP="invoices/tight/135m=plain,runner;invoices/tight/8b=plain,runner" BENCH_COMMIT=<commit> \
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1000 --cases \
-#     "invoices/tight/135m=runner_first,plain@1;invoices/tight/8b=plain,sorted,runner"
+#     "invoices/tight/135m=runner_first,plain,sorted@1;invoices/tight/8b=sorted,runner,vllmgraphs"
 # .gpu/setup.sh is git-ignored: carry it (with the part) in every staging and install call.
 # The device keeps a machine only 30 s after a call: poll with back-to-back `wait 290` calls.
 # Staging takes ~1 min of device time, `install` ~1.5 min; a fresh machine's first vLLM start takes
@@ -49,6 +50,9 @@ start)
     if [ -n "$WARMUP" ]; then
       python3 "$BENCH" --model /tmp/smollm2 --machine "$MACHINE" --multi "" --repeats 1 --docs 16 \
         --cases "$WARMUP" --out /tmp/warmup.json --workdir /tmp/rb > /tmp/warmup.log 2>&1
+      # The compile caches stay warm; the grammar choice goes, so that the first measured run makes
+      # it, as the first run of a job on a machine does.
+      rm -rf "$RUNNER_CACHE/grammar"
     fi
     exec python3 "$BENCH" --model /tmp/smollm2 --machine "$MACHINE" --out /tmp/e2e.json --workdir /tmp/rb "$@"
   ' bench "$@" > /tmp/bench.log 2>&1 < /dev/null &

@@ -29,7 +29,7 @@ class Schedule:
     def __init__(self, a, tasks: list[Task], on_done: Callable[[], None]):
         self.a, self.on_done = a, on_done
         self.free, self.lock = gpu_ids(a), threading.Lock()
-        self.seeds: dict = {}  # case -> a database holding its first run's calibration
+        self.seeds: dict = {}  # case, or (case, config), -> a database holding that first calibration
         self.warm: set = set()  # compile keys whose first run finished
         self.compiling: set = set()
         self.pending = [t for t in tasks if t.gpus <= len(self.free)]

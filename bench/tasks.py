@@ -11,6 +11,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,11 +52,9 @@ class Task:
 
     @property
     def compile_key(self) -> tuple:
-        """Runs that share vLLM's compiled graphs: the plain baselines, or the runner's settings."""
-        if self.config in ("plain", "sorted"):
-            return (self.model, "plain", self.gpus)
-        compiled_apart = "extra_args" in runner_variant(self.config)[0]  # another vLLM compile hash
-        return (self.model, self.config if compiled_apart else "runner", self.gpus)
+        """Runs that share vLLM's compiled graphs: the CUDA graph sizes are part of vLLM's compile
+        hash (plain vLLM runs its own list; the runner the GPU config's, unless its variant names one)."""
+        return (self.model, str(graph_sizes(self.config)), self.gpus)
 
     def record(self) -> dict:
         return {"case": self.case, "config": self.config, "round": self.round, "gpus": self.gpu_ids,
@@ -75,6 +74,10 @@ def parse_cases(text: str) -> list[tuple[str, list[str], Optional[int]]]:
 def make_tasks(a) -> list[Task]:
     """Round by round: every single-GPU case, then the multi-GPU ones, so that a deadline cuts the
     last rounds rather than a whole comparison."""
+    for _, configs, _ in parse_cases(a.cases) + parse_cases(a.multi):
+        for c in configs:  # a misspelt configuration stops here, before any GPU time is spent
+            if c not in ("plain", "sorted"):
+                runner_variant(c)
     tasks = []
     for r in range(1, max(a.repeats, a.multi_repeats) + 1):
         for case, configs, cap in parse_cases(a.cases):
@@ -148,6 +151,16 @@ def plain_command(a, t: Task, d: Path) -> list[str]:
 FEW_GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512]
 
 
+def graph_sizes(config: str) -> Optional[list[int]]:
+    """The CUDA graph sizes a configuration asks vLLM for on the GPU (None: vLLM's own list)."""
+    if config in ("plain", "sorted"):
+        return None
+    engine = runner_variant(config)[0]
+    if "cuda_graph_sizes" in engine:
+        return engine["cuda_graph_sizes"]
+    return yaml.safe_load((ROOT / "configs" / "smollm2-h200.yaml").read_text()).get("cuda_graph_sizes")
+
+
 def runner_variant(name: str) -> tuple[dict, dict]:
     """(engine overrides, job overrides) of a runner configuration."""
     variants = {
@@ -160,10 +173,10 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "feedback": ({"kv_usage_feedback": True}, {}),
         "xgrammar": ({"structured_output_backend": "xgrammar"}, {}),
         "guidance": ({"structured_output_backend": "guidance"}, {}),
-        # CUDA graphs at 20 batch sizes (configs/smollm2-h200.yaml's, since 76f8e42's lease), or at
-        # vLLM's own 51 up to 512 (capture took 4-8 s of every engine start on the H200).
-        "fewgraphs": ({"extra_args": {"compilation_config": {"cudagraph_capture_sizes": FEW_GRAPH_SIZES}}}, {}),
-        "vllmgraphs": ({"extra_args": {}}, {}),
+        # CUDA graphs at 20 batch sizes (the GPU config's since the lease of 76f8e42), or at vLLM's
+        # own 51 up to 512 (capture took 4-8 s of every engine start on the H200).
+        "fewgraphs": ({"cuda_graph_sizes": FEW_GRAPH_SIZES}, {}),
+        "vllmgraphs": ({"cuda_graph_sizes": None}, {}),
         "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),
@@ -229,7 +242,7 @@ def runner_result(d: Path) -> dict:
     return {k: s[k] for k in ("documents_per_s", "generation_s", "engine_load_s", "wall_s", "prefix_cache_hit_rate",
                               "plan_prefix_share", "preemptions", "spec_acceptance_rate", "completion_tokens")} | {
         "rows": s["rows_total"], "rows_valid": valid, "calibration": choice.get("speculative_calibration"),
-        "engine_starts_s": choice.get("engine_starts_s"),
+        "engine_starts_s": choice.get("engine_starts_s"), "grammar": choice.get("grammar"),  # measured or cached
         "engines": [{k: v for k, v in e.items() if k != "settings"} for e in choice.get("engines", [])]}
 
 
@@ -241,13 +254,33 @@ def log_samples(log: str) -> dict:
 
 
 def make_seed(d: Path, seed: Path) -> None:
-    """A database holding only what a first run stored for later runs: its calibrations."""
-    shutil.copy(d / "results.sqlite", seed)
-    con = sqlite3.connect(seed)
+    """A database holding only what a first run stored for later runs: its calibrations. Written
+    beside, then renamed: another run's thread may be copying the seed it replaces."""
+    part = seed.with_name(f"{seed.name}.{threading.get_ident()}.part")
+    shutil.copy(d / "results.sqlite", part)
+    con = sqlite3.connect(part)
     for table in ("results", "run_samples", "run_stats", "runs"):
         con.execute(f"DELETE FROM {table}")
     con.commit()
     con.close()
+    part.replace(seed)
+
+
+def remember_seed(a, t: Task, result: dict, d: Path, seeds: dict) -> None:
+    """Keep the calibration a run stored for the later rounds: a case's first run's, and that of a
+    configuration whose calibration key differs from it (its engine settings are in the key), which
+    calibrated anew from the first run's seed. Each is kept once."""
+    if t.config == "runner_first":
+        key = t.case
+    elif reuses_first_run(t) and (result.get("calibration") or {}).get("calibration_id") and t.case in seeds:
+        key = (t.case, t.config)
+    else:
+        return
+    if key not in seeds:
+        seed = Path(a.workdir) / ("seed-" + "-".join([t.case.replace("/", "-")] + ([t.config] if key != t.case else []))
+                                  + ".sqlite")
+        make_seed(d, seed)
+        seeds[key] = seed
 
 
 def execute(a, t: Task, seeds: dict, env: dict) -> dict:
@@ -272,11 +305,6 @@ def execute(a, t: Task, seeds: dict, env: dict) -> dict:
         r = json.loads(line[7:])
     else:
         r = runner_result(d)
-        if t.config == "runner_first" and t.case not in seeds:
-            seeds[t.case] = Path(a.workdir) / f"seed-{t.case.replace('/', '-')}.sqlite"
-            make_seed(d, seeds[t.case])
-        elif reuses_first_run(t) and (r.get("calibration") or {}).get("calibration_id") and t.case in seeds:
-            seeds[(t.case, t.config)] = Path(a.workdir) / f"seed-{t.case.replace('/', '-')}-{t.config}.sqlite"
-            make_seed(d, seeds[(t.case, t.config)])  # it calibrated anew: later rounds reuse its own
+        remember_seed(a, t, r, d, seeds)
     return r | log_samples(log) | {"process_s": round(process_s, 2), "wall_documents_per_s": r["rows"] / process_s,
                                    "startup_log": startup}

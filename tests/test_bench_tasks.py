@@ -27,7 +27,7 @@ def test_engine_set_and_a_named_grammar_backend_reach_the_runners_job(tmp_path, 
     a = argparse.Namespace(workdir=str(tmp_path), docs=8, multi_docs=8, model=str(tiny_model_dir), platform="cpu",
                            tight_blocks=64, tight_blocks_8b=64, engine_set=["enforce_eager=true", "max_num_seqs=16"])
     engines = {}
-    for config in ("runner", "guidance", "fewgraphs"):
+    for config in ("runner", "guidance", "vllmgraphs"):
         d = tmp_path / config
         d.mkdir()
         runner_command(a, Task("invoices/tight/135m", config, 1), d, {})
@@ -35,19 +35,86 @@ def test_engine_set_and_a_named_grammar_backend_reach_the_runners_job(tmp_path, 
     assert engines["runner"]["enforce_eager"] is True and engines["guidance"]["max_num_seqs"] == 16
     assert "structured_output_backend" not in engines["runner"]  # the config file's: measure
     assert engines["guidance"]["structured_output_backend"] == "guidance"
-    graphs = engines["fewgraphs"]["extra_args"]["compilation_config"]["cudagraph_capture_sizes"]
-    assert graphs[0] == 1 and graphs[-1] == 512 and graphs == sorted(set(graphs))  # vLLM's default range, fewer sizes
+    assert "cuda_graph_sizes" not in engines["runner"] and engines["vllmgraphs"]["cuda_graph_sizes"] is None
 
 
-def test_a_configuration_with_its_own_compiled_graphs_and_calibration_waits_for_and_reuses_its_own(tmp_path, tiny_model_dir):
-    """fewgraphs compiles apart from the runner (another vLLM compile hash) and, its calibration key
-    differing, reuses the calibration its own earlier round stored rather than the first run's."""
+def test_runs_share_a_compile_key_exactly_when_they_ask_vllm_for_the_same_cuda_graphs():
+    """The graph sizes are in vLLM's compile hash: plain vLLM and vllmgraphs run vLLM's own list;
+    the runner, its other variants and fewgraphs the GPU config's; first compiles of one list wait
+    for each other, those of different lists do not."""
+    from bench.tasks import Task
+
+    def key(config, model="135m"):
+        return Task(f"invoices/tight/{model}", config, 1).compile_key
+
+    assert key("plain") == key("sorted") == key("vllmgraphs") != key("runner")
+    assert key("runner") == key("fewgraphs") == key("nowave") == key("runner_first")
+    assert key("runner", "8b") != key("runner")
+
+
+def test_a_misspelt_configuration_stops_the_benchmark_before_it_starts(tmp_path):
+    import argparse
+
+    import pytest
+
+    from bench.tasks import make_tasks
+
+    a = argparse.Namespace(cases="invoices/tight/135m=plain,runner,fewgrahps", multi="", repeats=2, multi_repeats=1)
+    with pytest.raises(KeyError, match="fewgrahps"):
+        make_tasks(a)
+    a.cases = "invoices/tight/135m=plain,runner,fewgraphs"
+    assert [t.config for t in make_tasks(a)] == ["plain", "runner", "fewgraphs"] * 2
+
+
+def test_a_configuration_that_calibrated_anew_keeps_its_own_seed_once(tmp_path):
+    """A first run's calibration seeds its case; a configuration whose calibration key differs
+    (calibration_id: it calibrated, not reused) keeps its own, once; a reused one keeps nothing.
+    A seed holds calibrations only."""
+    import argparse
+    import sqlite3
+
+    from bench.tasks import Task, remember_seed
+
+    a = argparse.Namespace(workdir=str(tmp_path))
+
+    def run_dir(name, calibrations):
+        d = tmp_path / name
+        d.mkdir()
+        con = sqlite3.connect(d / "results.sqlite")
+        for table in ("results", "run_samples", "run_stats", "runs", "calibrations"):
+            con.execute(f"CREATE TABLE {table} (x)")
+            con.execute(f"INSERT INTO {table} VALUES ('{name}')")
+        con.commit()
+        con.close()
+        return d
+
+    def rows(path, table):
+        con = sqlite3.connect(path)
+        try:
+            return [r[0] for r in con.execute(f"SELECT x FROM {table}")]
+        finally:
+            con.close()
+
+    seeds, case = {}, "invoices/tight/135m"
+    remember_seed(a, Task(case, "runner", 1), {"calibration": {"reused_calibration_id": 1}}, run_dir("r0", 1), seeds)
+    assert seeds == {}  # nothing to reuse yet, and it calibrated nothing of its own
+    remember_seed(a, Task(case, "runner_first", 1), {"calibration": {"calibration_id": 1}}, run_dir("first", 1), seeds)
+    remember_seed(a, Task(case, "runner", 2), {"calibration": {"reused_calibration_id": 1}}, run_dir("r2", 1), seeds)
+    remember_seed(a, Task(case, "fewgraphs", 1), {"calibration": {"calibration_id": 2}}, run_dir("few1", 2), seeds)
+    remember_seed(a, Task(case, "fewgraphs", 2), {"calibration": {"calibration_id": 3}}, run_dir("few2", 3), seeds)
+    assert set(seeds) == {case, (case, "fewgraphs")}
+    assert rows(seeds[case], "calibrations") == ["first"] and rows(seeds[(case, "fewgraphs")], "calibrations") == ["few1"]
+    assert rows(seeds[case], "results") == [] and rows(seeds[case], "runs") == []
+    assert not list(tmp_path.glob("*.part"))
+
+
+def test_a_configuration_starts_from_its_own_seed_else_from_the_first_runs(tmp_path, tiny_model_dir):
+    """A configuration whose calibration key differs from the first run's (fewgraphs: its graph
+    sizes are in the key) reuses the calibration its own earlier round stored, else the first run's."""
     import argparse
 
     from bench.tasks import Task, runner_command
 
-    assert Task("invoices/tight/135m", "fewgraphs", 1).compile_key != Task("invoices/tight/135m", "runner", 1).compile_key
-    assert Task("invoices/tight/135m", "nowave", 1).compile_key == Task("invoices/tight/135m", "runner", 1).compile_key
     a = argparse.Namespace(workdir=str(tmp_path), docs=8, multi_docs=8, model=str(tiny_model_dir), platform="cpu",
                            tight_blocks=64, tight_blocks_8b=64, engine_set=[])
     first, own = tmp_path / "first.sqlite", tmp_path / "own.sqlite"
