@@ -76,8 +76,10 @@ class EngineConfig(Strict):
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     cuda_graph_sizes: Optional[list[int]] = Field(default=None, min_length=1, description=(
-        "batch sizes vLLM captures CUDA graphs at (its cudagraph_capture_sizes; default: vLLM's list, 51 "
-        "sizes up to 512). Sizes over twice max_num_seqs are left out, where vLLM's own list stops"))
+        "batch sizes (tokens a step) vLLM captures CUDA graphs at, for an engine without drafts (its "
+        "cudagraph_capture_sizes; default: vLLM's own list, 51 sizes up to 512 from a max_num_seqs of "
+        "256). Sizes over twice max_num_seqs are left out, where vLLM's own list stops; an engine "
+        "with drafts keeps vLLM's list, which it rounds to multiples of the draft length + 1"))
     tensor_parallel_size: int = Field(default=1, ge=1)
     in_process: bool = Field(default=False, description="run vLLM's engine core in this process")
     speculative: Union[SpeculativeSpec, Literal["auto"], None] = None
@@ -115,8 +117,9 @@ class EngineConfig(Strict):
     def graph_sizes(self) -> Optional[list[int]]:
         """The CUDA graph sizes vLLM gets: cuda_graph_sizes up to twice max_num_seqs (vLLM's own
         list stops there: a larger one would only lengthen the start), at least the smallest; None
-        for vLLM's own list, or where no graph is captured (enforce_eager)."""
-        if self.cuda_graph_sizes is None or self.enforce_eager:
+        for vLLM's own list: unset, no graphs (enforce_eager), or drafts (vLLM rounds the sizes to
+        multiples of k + 1 and its own list reaches further; fewer sizes were measured without)."""
+        if self.cuda_graph_sizes is None or self.enforce_eager or isinstance(self.speculative, SpeculativeSpec):
             return None
         sizes = sorted(set(self.cuda_graph_sizes))
         return [s for s in sizes if s <= 2 * self.max_num_seqs] or sizes[:1]

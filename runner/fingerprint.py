@@ -80,6 +80,11 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
     engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process", "admission_waves"})
     if not engine["kv_usage_feedback"]:
         del engine["kv_usage_feedback"]
+    # The CUDA graph sizes vLLM gets, only where it gets some: keys stored before the setting existed
+    # (and the calibrations and verifications under them) stay valid for engines without it.
+    engine["cuda_graph_sizes"] = job.engine.graph_sizes()
+    if engine["cuda_graph_sizes"] is None:
+        del engine["cuda_graph_sizes"]
     engine["structured_output_backend"] = grammar_backend(job)
     sampling = {k: v for k, v in job.spec.sampling.fingerprint_dump().items()
                 if k not in ("retry_max_tokens", "retry_repetition_penalty")}

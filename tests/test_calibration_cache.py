@@ -231,6 +231,23 @@ def test_the_usage_feedback_counts_in_the_calibration_key_only_when_on(make_job)
     assert on != default and on["engine"]["kv_usage_feedback"] is True
 
 
+def test_cuda_graph_sizes_count_in_the_calibration_key_only_where_vllm_gets_them(make_job):
+    """The graph sizes change each step's cost, so a choice measured with vLLM's own list is not
+    reused with fewer sizes; unset, or where vLLM gets none (enforce_eager, an engine with drafts),
+    the key is the one jobs stored before the setting existed, and so are the verifications under it."""
+    from runner.fingerprint import calibration_key
+
+    def key(**engine):
+        return calibration_key(load_job(make_job(engine={"enforce_eager": False, "speculative": None} | engine)), ["a"])
+
+    default, eager = key(), key(cuda_graph_sizes=[1, 2, 4], enforce_eager=True)
+    drafts = key(cuda_graph_sizes=[1, 2, 4], speculative={"method": "ngram", "num_speculative_tokens": 2})
+    assert "cuda_graph_sizes" not in default["engine"] and "cuda_graph_sizes" not in eager["engine"]
+    assert "cuda_graph_sizes" not in drafts["engine"]
+    sized = key(cuda_graph_sizes=[64, 1, 2, 4, 2048])  # max_num_seqs 8: up to 16
+    assert sized["engine"]["cuda_graph_sizes"] == [1, 2, 4] and sized != default
+
+
 def test_only_the_last_engine_of_a_calibrating_run_is_let_go(make_job):
     # The engines calibration starts before it must be gone before the next one starts.
     job = auto_job(make_job)

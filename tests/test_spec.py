@@ -161,6 +161,16 @@ def test_cuda_graph_sizes_reach_vllm_beside_other_compilation_settings_and_stop_
     assert "compilation_config" not in llm_kwargs(big.model_copy(update={"cuda_graph_sizes": None}), tiny_model_dir, 0)
     one = cfg.model_copy(update={"max_num_seqs": 1, "cuda_graph_sizes": [8, 4]})
     assert one.graph_sizes() == [4]  # none fits: the smallest, never an empty list (vLLM refuses one)
+    # vLLM rounds the sizes of an engine with drafts to multiples of k + 1: it keeps its own list
+    drafts = EngineConfig(model="m", cuda_graph_sizes=sizes, speculative={"method": "ngram", "num_speculative_tokens": 4})
+    assert drafts.graph_sizes() is None and "compilation_config" not in llm_kwargs(drafts, tiny_model_dir, 0)
+    # a bare compilation mode in extra_args (vLLM's LLM() takes one) keeps its mode, even 0
+    for mode in (0, 3):
+        kw = llm_kwargs(big.model_copy(update={"extra_args": {"compilation_config": mode}}), tiny_model_dir, 0)
+        assert kw["compilation_config"] == {"mode": mode, "cudagraph_capture_sizes": sizes}
+    # sizes named in extra_args win: they are the more explicit setting
+    named = big.model_copy(update={"extra_args": {"compilation_config": {"cudagraph_capture_sizes": [1, 8]}}})
+    assert llm_kwargs(named, tiny_model_dir, 0)["compilation_config"] == {"cudagraph_capture_sizes": [1, 8]}
     for bad in ([], [0, 8]):
         with pytest.raises(ValidationError):
             EngineConfig(model="m", cuda_graph_sizes=bad)

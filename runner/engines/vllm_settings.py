@@ -126,9 +126,13 @@ def llm_kwargs(cfg: EngineConfig, model_path: Path, seed: int | None) -> dict[st
     if seed is not None:
         kw["seed"] = seed
     kw |= cfg.extra_args
-    sizes = cfg.graph_sizes()
-    if sizes is not None:  # beside any other compilation_config setting extra_args has
-        kw["compilation_config"] = dict(kw.get("compilation_config") or {}) | {"cudagraph_capture_sizes": sizes}
+    sizes, given = cfg.graph_sizes(), kw.get("compilation_config")
+    if isinstance(given, int) and not isinstance(given, bool):
+        given = {"mode": given}  # vLLM's LLM() takes a bare compilation mode too
+    # Beside the other settings of a compilation_config in extra_args; sizes named there win.
+    if sizes is not None and (given is None or isinstance(given, dict)) and not (
+            set(given or {}) & {"cudagraph_capture_sizes", "max_cudagraph_capture_size"}):
+        kw["compilation_config"] = dict(given or {}) | {"cudagraph_capture_sizes": sizes}
     return kw
 
 
