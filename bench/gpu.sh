@@ -13,10 +13,10 @@
 # of 76f8e42, which measured it on the 135M only (up to 54 requests in flight, where the list is
 # vLLM's own): the 8B shape runs 100-125 at once, so vllmgraphs runs beside its runner. The runner's
 # graphs differ from plain's now, so WARMUP compiles both. At 76f8e42 runner_first's LLM(...) took
-# 30.5 s against 19.6-22.1 s: 9 s of vLLM's warm-up after the graph capture, which the first process
-# with new engine settings pays once (the warm-up's fewgraphs run paid it too).
+# 30.5 s against 19.6-22.1 s: 9 s of vLLM's warm-up after the graph capture (the warm-up's fewgraphs
+# run, the first with its sizes, paid the same), so every configuration of a case is warmed up.
 # About 20 minutes after staging (the 8B's three configurations take ~4 min a round):
-#   WARMUP="invoices/tight/135m=plain,runner;invoices/tight/8b=plain,runner" BENCH_COMMIT=<commit> \
+#   WARMUP="invoices/tight/135m=plain,runner;invoices/tight/8b=plain,runner,vllmgraphs" BENCH_COMMIT=<commit> \
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1000 --cases \
 #     "invoices/tight/135m=runner_first,plain,sorted@1;invoices/tight/8b=sorted,runner,vllmgraphs"
 # .gpu/setup.sh is git-ignored: carry it (with the part) in every staging and install call.

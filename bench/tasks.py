@@ -5,6 +5,7 @@ GPUs.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -53,7 +54,8 @@ class Task:
     @property
     def compile_key(self) -> tuple:
         """Runs that share vLLM's compiled graphs: the CUDA graph sizes are part of vLLM's compile
-        hash (plain vLLM runs its own list; the runner the GPU config's, unless its variant names one)."""
+        hash (plain vLLM runs its own list; the runner the GPU config's, unless its variant names one;
+        a speculative config is in the hash too, which spec_k* do not count)."""
         return (self.model, str(graph_sizes(self.config)), self.gpus)
 
     def record(self) -> dict:
@@ -151,14 +153,15 @@ def plain_command(a, t: Task, d: Path) -> list[str]:
 FEW_GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512]
 
 
-def graph_sizes(config: str) -> Optional[list[int]]:
+@functools.lru_cache(maxsize=None)  # asked under the scheduler's lock
+def graph_sizes(config: str) -> Optional[tuple[int, ...]]:
     """The CUDA graph sizes a configuration asks vLLM for on the GPU (None: vLLM's own list)."""
     if config in ("plain", "sorted"):
         return None
     engine = runner_variant(config)[0]
-    if "cuda_graph_sizes" in engine:
-        return engine["cuda_graph_sizes"]
-    return yaml.safe_load((ROOT / "configs" / "smollm2-h200.yaml").read_text()).get("cuda_graph_sizes")
+    sizes = engine["cuda_graph_sizes"] if "cuda_graph_sizes" in engine else \
+        yaml.safe_load((ROOT / "configs" / "smollm2-h200.yaml").read_text()).get("cuda_graph_sizes")
+    return None if sizes is None else tuple(sizes)
 
 
 def runner_variant(name: str) -> tuple[dict, dict]:
