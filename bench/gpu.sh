@@ -11,7 +11,7 @@
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
 # The lease that issue 11 waits for. The GPU config captures CUDA graphs at 20 sizes since the lease
 # of 76f8e42, which measured it on the 135M only (up to 54 requests in flight, where the list is
-# vLLM's own): the 8B shape runs 100-125 at once, so vllmgraphs runs beside its runner. The runner's
+# vLLM's own): the 8B shape runs up to 127 at once, so vllmgraphs runs beside its runner. The runner's
 # graphs differ from plain's now, so WARMUP compiles both. At 76f8e42 runner_first's LLM(...) took
 # 30.5 s against 19.6-22.1 s: 9 s of vLLM's warm-up after the graph capture (the warm-up's fewgraphs
 # run, the first with its sizes, paid the same), so every configuration of a case is warmed up.

@@ -228,7 +228,7 @@ def runner_command(a, t: Task, d: Path, seeds: dict) -> list[str]:
            "output": {"database": "results.sqlite", "commit_every_rows": 256, "max_failed_fraction": 1.0}} | job_over
     (d / "job.yaml").write_text(yaml.safe_dump(job))
     # The calibration a first run of this case stored, and this configuration's own where its
-    # calibration key differs (extra_args are in the key) and an earlier round stored it.
+    # calibration key differs (its graph sizes are in the key) and an earlier round stored it.
     seed = seeds.get((t.case, t.config)) or seeds.get(t.case)
     if reuses_first_run(t) and seed:
         shutil.copy(seed, d / "results.sqlite")
