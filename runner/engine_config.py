@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, field_validator
 
 
 class Strict(BaseModel):
@@ -75,7 +75,7 @@ class EngineConfig(Strict):
     max_num_batched_tokens: Optional[int] = Field(default=None, ge=16)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    cuda_graph_sizes: Optional[list[int]] = Field(default=None, min_length=1, description=(
+    cuda_graph_sizes: Optional[list[StrictInt]] = Field(default=None, min_length=1, description=(
         "batch sizes (tokens a step) vLLM captures CUDA graphs at, for an engine without drafts (its "
         "cudagraph_capture_sizes; default: vLLM's own list, 51 sizes up to 512 from a max_num_seqs of "
         "256). Sizes over twice max_num_seqs are left out, where vLLM's own list stops; an engine "

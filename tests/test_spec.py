@@ -171,6 +171,6 @@ def test_cuda_graph_sizes_reach_vllm_beside_other_compilation_settings_and_stop_
     # sizes named in extra_args win: they are the more explicit setting
     named = big.model_copy(update={"extra_args": {"compilation_config": {"cudagraph_capture_sizes": [1, 8]}}})
     assert llm_kwargs(named, tiny_model_dir, 0)["compilation_config"] == {"cudagraph_capture_sizes": [1, 8]}
-    for bad in ([], [0, 8]):
+    for bad in ([], [0, 8], [True, 8], ["8"], [2.0]):
         with pytest.raises(ValidationError):
             EngineConfig(model="m", cuda_graph_sizes=bad)
