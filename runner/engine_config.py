@@ -1,9 +1,9 @@
 """The engine part of a job: vLLM settings, speculative decoding and its calibration."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
 
 
 class Strict(BaseModel):
@@ -75,7 +75,7 @@ class EngineConfig(Strict):
     max_num_batched_tokens: Optional[int] = Field(default=None, ge=16)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    cuda_graph_sizes: Optional[list[StrictInt]] = Field(default=None, min_length=1, description=(
+    cuda_graph_sizes: Optional[list[Annotated[StrictInt, Field(ge=1)]]] = Field(default=None, min_length=1, description=(
         "batch sizes (tokens a step) vLLM captures CUDA graphs at, for an engine without drafts (its "
         "cudagraph_capture_sizes; default: vLLM's own list, 51 sizes up to 512 from a max_num_seqs of "
         "256). Sizes over twice max_num_seqs are left out, where vLLM's own list stops; an engine "
@@ -106,13 +106,6 @@ class EngineConfig(Strict):
         default=None, ge=1, description="requests kept queued in the engine; default 4 x max_num_seqs"
     )
     extra_args: dict[str, Any] = Field(default={}, description="other keyword arguments for vllm.LLM")
-
-    @field_validator("cuda_graph_sizes")
-    @classmethod
-    def _positive_sizes(cls, sizes: Optional[list[int]]) -> Optional[list[int]]:
-        if sizes is not None and min(sizes) < 1:
-            raise ValueError("batch sizes must be 1 or more")
-        return sizes
 
     def graph_sizes(self) -> Optional[list[int]]:
         """The CUDA graph sizes vLLM gets: cuda_graph_sizes up to twice max_num_seqs (vLLM's own
