@@ -155,12 +155,14 @@ FEW_GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192
 
 @functools.lru_cache(maxsize=None)  # asked under the scheduler's lock
 def graph_sizes(config: str) -> Optional[tuple[int, ...]]:
-    """The CUDA graph sizes a configuration asks vLLM for on the GPU (None: vLLM's own list)."""
+    """The CUDA graph sizes a configuration gives vLLM on the GPU (None: vLLM's own list), as the
+    runner decides them from the GPU config and the configuration's engine settings."""
     if config in ("plain", "sorted"):
         return None
-    engine = runner_variant(config)[0]
-    sizes = engine["cuda_graph_sizes"] if "cuda_graph_sizes" in engine else \
-        yaml.safe_load((ROOT / "configs" / "smollm2-h200.yaml").read_text()).get("cuda_graph_sizes")
+    from runner.spec import load_engine_config
+
+    path = ROOT / "configs" / "smollm2-h200.yaml"
+    sizes = load_engine_config(path, runner_variant(config)[0], path).graph_sizes()
     return None if sizes is None else tuple(sizes)
 
 
@@ -280,8 +282,8 @@ def remember_seed(a, t: Task, result: dict, d: Path, seeds: dict) -> None:
     else:
         return
     if key not in seeds:
-        seed = Path(a.workdir) / ("seed-" + "-".join([t.case.replace("/", "-")] + ([t.config] if key != t.case else []))
-                                  + ".sqlite")
+        name = t.case.replace("/", "-") + ("" if key == t.case else f"-{t.config}")
+        seed = Path(a.workdir) / f"seed-{name}.sqlite"
         make_seed(d, seed)
         seeds[key] = seed
 
