@@ -151,6 +151,12 @@ def plain_command(a, t: Task, d: Path) -> list[str]:
 
 
 FEW_GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512]
+# No torch.compile (its Dynamo pass and cache load took 5.9 s of every engine start on the H200, and
+# a first start on a machine pays the whole compile): whole-step CUDA graphs instead of piecewise
+# ones (FlashAttention 3 on Hopper captures steps that mix prefill and decode), up to 2,048 tokens
+# a step, since a step past the largest size now runs eagerly, without Inductor's fused kernels.
+NO_COMPILE = {"cuda_graph_sizes": FEW_GRAPH_SIZES + [640, 768, 1024, 1280, 1536, 2048],
+              "extra_args": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL"}}}
 
 
 @functools.lru_cache(maxsize=None)  # asked under the scheduler's lock
@@ -182,6 +188,7 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         # own 51 up to 512 (capture took 4-8 s of every engine start on the H200).
         "fewgraphs": ({"cuda_graph_sizes": FEW_GRAPH_SIZES}, {}),
         "vllmgraphs": ({"cuda_graph_sizes": None}, {}),
+        "nocompile": (NO_COMPILE, {}),
         "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),
