@@ -189,6 +189,10 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "fewgraphs": ({"cuda_graph_sizes": FEW_GRAPH_SIZES}, {}),
         "vllmgraphs": ({"cuda_graph_sizes": None}, {}),
         "nocompile": (NO_COMPILE, {}),
+        # The same without whole-step graphs of steps that prefill: on the H200 (vLLM 0.26) those
+        # broke outputs (grammar violations, degenerate text) at 62855f5; decode-only steps keep them.
+        "nocompile_dec": ({"cuda_graph_sizes": FEW_GRAPH_SIZES,
+                           "extra_args": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}}, {}),
         "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),
