@@ -151,12 +151,15 @@ def plain_command(a, t: Task, d: Path) -> list[str]:
 
 
 FEW_GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512]
-# No torch.compile (its Dynamo pass and cache load took 5.9 s of every engine start on the H200, and
-# a first start on a machine pays the whole compile): whole-step CUDA graphs instead of piecewise
-# ones (FlashAttention 3 on Hopper captures steps that mix prefill and decode), up to 2,048 tokens
-# a step, since a step past the largest size now runs eagerly, without Inductor's fused kernels.
-NO_COMPILE = {"cuda_graph_sizes": FEW_GRAPH_SIZES + [640, 768, 1024, 1280, 1536, 2048],
-              "extra_args": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL"}}}
+# Past 512 tokens a step the GPU config's engine runs without CUDA graphs (in a profile of plain
+# vLLM, sorted, more samples of steps that prefilled ran so than as piecewise graphs: 667 against
+# 416). BIG_GRAPH_SIZES goes on to 2,048.
+BIG_GRAPH_SIZES = FEW_GRAPH_SIZES + [640, 768, 1024, 1280, 1536, 2048]
+# No torch.compile: its Dynamo pass and cache load took 5.9 s of every engine start on the H200, and
+# a first start with new settings pays the whole compile (22.8 s at 62855f5). Steps that only decode run as whole CUDA
+# graphs; the rest eagerly. (Whole graphs of every step, cudagraph_mode FULL, ran 1.27x faster at
+# 62855f5 but broke outputs; the runner refuses that mode: runner/engine_config.py.)
+NO_COMPILE = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 
 
 @functools.lru_cache(maxsize=None)  # asked under the scheduler's lock
@@ -188,11 +191,8 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         # own 51 up to 512 (capture took 4-8 s of every engine start on the H200).
         "fewgraphs": ({"cuda_graph_sizes": FEW_GRAPH_SIZES}, {}),
         "vllmgraphs": ({"cuda_graph_sizes": None}, {}),
-        "nocompile": (NO_COMPILE, {}),
-        # The same without whole-step graphs of steps that prefill: on the H200 (vLLM 0.26) those
-        # broke outputs (grammar violations, degenerate text) at 62855f5; decode-only steps keep them.
-        "nocompile_dec": ({"cuda_graph_sizes": FEW_GRAPH_SIZES,
-                           "extra_args": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}}, {}),
+        "biggraphs": ({"cuda_graph_sizes": BIG_GRAPH_SIZES}, {}),
+        "nocompile_dec": ({"extra_args": {"compilation_config": NO_COMPILE}}, {}),
         "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, field_validator
 
 
 class Strict(BaseModel):
@@ -106,6 +106,21 @@ class EngineConfig(Strict):
         default=None, ge=1, description="requests kept queued in the engine; default 4 x max_num_seqs"
     )
     extra_args: dict[str, Any] = Field(default={}, description="other keyword arguments for vllm.LLM")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_graphs_of_mixed_steps(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        """cudagraph_mode FULL also captures whole-step graphs of steps that prefill and decode at
+        once (FlashAttention 3 declares them supported); on an H200 with vLLM 0.26 their replays broke
+        outputs: tokens the grammar forbids, degenerate text (bench/results/2026-12-01-nvidia-h200-
+        nocompile.json; pytorch/torchtitan#3685 saw the same). A job's results must not depend on
+        it. FULL_AND_PIECEWISE (vLLM's default) and FULL_DECODE_ONLY graph whole decode-only steps."""
+        compilation = extra.get("compilation_config")
+        mode = compilation.get("cudagraph_mode") if isinstance(compilation, dict) else None
+        if (mode.upper() if isinstance(mode, str) else mode) in ("FULL", 2):  # 2: CUDAGraphMode.FULL
+            raise ValueError("compilation_config.cudagraph_mode FULL graphs steps that mix prefill and decode, "
+                             "which broke outputs on vLLM 0.26 (H200): use FULL_AND_PIECEWISE or FULL_DECODE_ONLY")
+        return extra
 
     def graph_sizes(self) -> Optional[list[int]]:
         """The CUDA graph sizes vLLM gets: cuda_graph_sizes up to twice max_num_seqs (vLLM's own

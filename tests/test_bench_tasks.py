@@ -27,7 +27,7 @@ def test_engine_set_and_a_named_grammar_backend_reach_the_runners_job(tmp_path, 
     a = argparse.Namespace(workdir=str(tmp_path), docs=8, multi_docs=8, model=str(tiny_model_dir), platform="cpu",
                            tight_blocks=64, tight_blocks_8b=64, engine_set=["enforce_eager=true", "max_num_seqs=16"])
     engines = {}
-    for config in ("runner", "guidance", "vllmgraphs", "nocompile"):
+    for config in ("runner", "guidance", "vllmgraphs", "nocompile_dec"):
         d = tmp_path / config
         d.mkdir()
         runner_command(a, Task("invoices/tight/135m", config, 1), d, {})
@@ -36,7 +36,7 @@ def test_engine_set_and_a_named_grammar_backend_reach_the_runners_job(tmp_path, 
     assert "structured_output_backend" not in engines["runner"]  # the config file's: measure
     assert engines["guidance"]["structured_output_backend"] == "guidance"
     assert "cuda_graph_sizes" not in engines["runner"] and engines["vllmgraphs"]["cuda_graph_sizes"] is None
-    assert engines["nocompile"]["extra_args"]["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL"}
+    assert engines["nocompile_dec"]["extra_args"]["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     assert "extra_args" not in engines["runner"]
 
 
@@ -52,7 +52,7 @@ def test_runs_share_a_compile_key_exactly_when_they_ask_vllm_for_the_same_cuda_g
     assert key("plain") == key("sorted") == key("vllmgraphs") != key("runner")
     assert key("runner") == key("fewgraphs") == key("nowave") == key("runner_first")
     assert key("runner", "8b") != key("runner")
-    assert key("nocompile") not in (key("runner"), key("plain"))  # its own, longer list
+    assert key("biggraphs") not in (key("runner"), key("plain"))  # its own, longer list
 
 
 def test_a_misspelt_configuration_stops_the_benchmark_before_it_starts(tmp_path):

@@ -59,6 +59,19 @@ def test_bad_job_names_file_and_field(make_job, mutate, expected):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("mode", ["FULL", "full", 2])
+def test_whole_step_graphs_of_steps_that_prefill_are_refused(make_job, mode):
+    """cudagraph_mode FULL broke outputs on an H200 (vLLM 0.26); the modes that graph decode-only
+    steps whole pass through to vLLM."""
+    path = make_job(engine={"extra_args": {"compilation_config": {"mode": 0, "cudagraph_mode": mode}}})
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert "engine.yaml: extra_args: Value error, compilation_config.cudagraph_mode FULL graphs steps" in str(err.value)
+    for fine in ("FULL_DECODE_ONLY", "full_and_piecewise", "PIECEWISE"):
+        path = make_job(engine={"extra_args": {"compilation_config": {"cudagraph_mode": fine}}})
+        assert load_job(path).engine.extra_args["compilation_config"]["cudagraph_mode"] == fine
+
+
 def test_bad_engine_config_file_is_named(make_job, tmp_path):
     path = make_job(engine={"dtype": "bfloat16", "max_model_len": "long"})
     with pytest.raises(SpecError, match=r"engine\.yaml: max_model_len: Input should be a valid integer"):
