@@ -9,16 +9,20 @@
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
-# The lease that issue 11 waits for. The GPU config captures CUDA graphs at 20 sizes since the lease
-# of 76f8e42, which measured it on the 135M only (up to 54 requests in flight, where the list is
-# vLLM's own): the 8B shape runs up to 127 at once, so vllmgraphs runs beside its runner. The runner's
-# graphs differ from plain's now, so WARMUP compiles both. At 76f8e42 runner_first's LLM(...) took
-# 30.5 s against 19.6-22.1 s: 9 s of vLLM's warm-up after the graph capture (the warm-up's fewgraphs
-# run, the first with its sizes, paid the same), so every configuration of a case is warmed up.
-# About 20 minutes after staging (the 8B's three configurations take ~4 min a round):
-#   WARMUP="invoices/tight/135m=plain,runner;invoices/tight/8b=plain,runner,vllmgraphs" BENCH_COMMIT=<commit> \
+# The leases that issue 11 waits for. (1) The 135M: the lease of 62855f5 (2 rounds) measured
+# nocompile (cudagraph_mode FULL) 1.27x faster than the runner with broken outputs, and one pair of
+# nocompile_dec (no torch.compile, whole graphs of decode-only steps) at 0.90-0.98x the runner's wall;
+# biggraphs graphs steps of up to 2,048 tokens (piecewise) where the GPU config stops at 512. ~20 min:
+#   WARMUP="invoices/tight/135m=plain,runner,biggraphs,nocompile_dec" BENCH_COMMIT=<commit> \
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1000 --cases \
-#     "invoices/tight/135m=runner_first,plain,sorted@1;invoices/tight/8b=sorted,runner,vllmgraphs"
+#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,biggraphs,nocompile_dec"
+# (2) The 8B shape with the GPU config's 20 graph sizes (it runs up to 127 requests at once, where the
+# lists differ), vllmgraphs beside it (~4 min a round):
+#   WARMUP="invoices/tight/8b=plain,runner,vllmgraphs" bash bench/gpu.sh start --multi "" --repeats 3 \
+#     --deadline-s 1000 --cases "invoices/tight/8b=sorted,runner,vllmgraphs"
+# A machine left idle for 30 s is gone with everything on it (62855f5 lost its round 3 that way):
+# chain the polls with nothing between them, and copy what a later look needs (a run's
+# results.sqlite) to $OUT inside a polling call.
 # .gpu/setup.sh is git-ignored: carry it (with the part) in every staging and install call.
 # The device keeps a machine only 30 s after a call: poll with back-to-back `wait 290` calls.
 # Staging takes ~1 min of device time, `install` ~1.5 min; a fresh machine's first vLLM start takes
