@@ -11,11 +11,13 @@
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
 # The leases that issue 11 waits for. (1) The 135M: the lease of 62855f5 (2 rounds) measured
 # nocompile (cudagraph_mode FULL) 1.27x faster than the runner with broken outputs, and one pair of
-# nocompile_dec (no torch.compile, whole graphs of decode-only steps) at 0.90-0.98x the runner's wall;
-# biggraphs graphs steps of up to 2,048 tokens (piecewise) where the GPU config stops at 512. ~20 min:
-#   WARMUP="invoices/tight/135m=plain,runner,biggraphs,nocompile_dec" BENCH_COMMIT=<commit> \
+# nocompile_dec (no torch.compile, whole graphs of decode-only steps) at 0.90-0.98x the runner's wall.
+# biggraphs graphs steps of up to 2,048 tokens (piecewise) where the GPU config stops at 512;
+# breakable captures piecewise graphs without torch.compile (VLLM_USE_BREAKABLE_CUDAGRAPH). ~25 min:
+#   WARMUP="invoices/tight/135m=plain,runner,biggraphs,breakable" BENCH_COMMIT=<commit> \
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1000 --cases \
-#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,biggraphs,nocompile_dec"
+#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,biggraphs,breakable"
+# Check a new configuration's outputs too (rows_valid, and errors in its results.sqlite), not only its speed.
 # (2) The 8B shape with the GPU config's 20 graph sizes (it runs up to 127 requests at once, where the
 # lists differ), vllmgraphs beside it (~4 min a round):
 #   WARMUP="invoices/tight/8b=plain,runner,vllmgraphs" bash bench/gpu.sh start --multi "" --repeats 3 \

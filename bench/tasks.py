@@ -73,11 +73,24 @@ def parse_cases(text: str) -> list[tuple[str, list[str], Optional[int]]]:
     return out
 
 
+def check_case(case: str) -> None:
+    """WORKLOAD/REGIME/MODEL with known parts, or KeyError naming the case."""
+    from bench.models import SHAPES
+    from bench.workload import WORKLOADS
+
+    parts = case.split("/")
+    if len(parts) != 3 or parts[0] not in WORKLOADS or parts[1] not in ("tight", "roomy") or \
+            parts[2] not in {"135m", *SHAPES}:
+        raise KeyError(f"case {case!r}: expected WORKLOAD/REGIME/MODEL with WORKLOAD in {sorted(WORKLOADS)}, "
+                       f"REGIME tight or roomy, MODEL 135m or one of {sorted(SHAPES)}")
+
+
 def make_tasks(a) -> list[Task]:
     """Round by round: every single-GPU case, then the multi-GPU ones, so that a deadline cuts the
     last rounds rather than a whole comparison."""
-    for _, configs, _ in parse_cases(a.cases) + parse_cases(a.multi):
-        for c in configs:  # a misspelt configuration stops here, before any GPU time is spent
+    for case, configs, _ in parse_cases(a.cases) + parse_cases(a.multi):
+        check_case(case)  # a misspelt case or configuration stops here, before any GPU time is spent
+        for c in configs:
             if c not in ("plain", "sorted"):
                 runner_variant(c)
     tasks = []
@@ -161,6 +174,10 @@ BIG_GRAPH_SIZES = FEW_GRAPH_SIZES + [640, 768, 1024, 1280, 1536, 2048]
 # FULL, ran 1.27x faster at 62855f5 but broke outputs; the runner refuses that mode:
 # runner/engine_config.py.)
 NO_COMPILE = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+# Environment a configuration adds to the runner's process. breakable: vLLM 0.26 captures piecewise
+# CUDA graphs without torch.compile, breaking the capture at attention at run time
+# (vllm/compilation/breakable_cudagraph.py): no compile at start, graphs for the steps that prefill.
+VARIANT_ENV = {"breakable": {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}}
 
 
 @functools.lru_cache(maxsize=None)  # asked under the scheduler's lock
@@ -194,6 +211,7 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "vllmgraphs": ({"cuda_graph_sizes": None}, {}),
         "biggraphs": ({"cuda_graph_sizes": BIG_GRAPH_SIZES}, {}),
         "nocompile_dec": ({"extra_args": {"compilation_config": NO_COMPILE}}, {}),
+        "breakable": ({}, {}),  # the GPU config, with VARIANT_ENV's
         "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),
@@ -305,6 +323,7 @@ def execute(a, t: Task, seeds: dict, env: dict) -> dict:
     plain = t.config in ("plain", "sorted")
     cmd = plain_command(a, t, d) if plain else runner_command(a, t, d, seeds)
     t0 = time.perf_counter()
+    env = env | VARIANT_ENV.get(t.config, {})
     with open(d / "stderr.log", "w") as err:
         proc = run_group(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(ROOT), env=env,
                          timeout=a.task_timeout)

@@ -1,4 +1,6 @@
 """bench/tasks.py: what a benchmark run records from vLLM's own log."""
+from pathlib import Path
+
 from bench.tasks import log_samples
 
 LOG = """INFO 11-30 17:40:01 [core.py:340] init engine took 10.30 s
@@ -67,6 +69,36 @@ def test_a_misspelt_configuration_stops_the_benchmark_before_it_starts(tmp_path)
         make_tasks(a)
     a.cases = "invoices/tight/135m=plain,runner,fewgraphs"
     assert [t.config for t in make_tasks(a)] == ["plain", "runner", "fewgraphs"] * 2
+    for case in ("invoices/tigth/135m", "invoice/tight/135m", "invoices/tight/7b", "invoices/tight"):
+        a.cases = f"{case}=plain"
+        with pytest.raises(KeyError, match="WORKLOAD/REGIME/MODEL"):
+            make_tasks(a)
+
+
+def test_breakable_alone_adds_vllms_breakable_graphs_to_its_process(tmp_path, monkeypatch, tiny_model_dir):
+    """breakable is the GPU config run with VLLM_USE_BREAKABLE_CUDAGRAPH=1 (piecewise graphs
+    without torch.compile); no other configuration's process gets the variable."""
+    import argparse
+    import subprocess
+
+    import bench.tasks as tasks
+
+    seen = {}
+
+    def fake_run(cmd, env=None, **kw):  # the process is not started: only what it would get counts
+        seen[cmd[-1]] = env
+        return subprocess.CompletedProcess(cmd, 1, stdout="")
+
+    monkeypatch.setattr(tasks, "run_group", fake_run)
+    a = argparse.Namespace(workdir=str(tmp_path), docs=8, multi_docs=8, model=str(tiny_model_dir), platform="cpu",
+                           tight_blocks=64, tight_blocks_8b=64, engine_set=[], task_timeout=5)
+    for config in ("runner", "breakable"):
+        r = tasks.execute(a, tasks.Task("invoices/tight/135m", config, 1), {}, {"PATH": "/bin"})
+        assert r["rc"] == 1
+    envs = {Path(k).parent.name: v for k, v in seen.items()}
+    assert envs["invoices-tight-135m-breakable-r1"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"
+    assert "VLLM_USE_BREAKABLE_CUDAGRAPH" not in envs["invoices-tight-135m-runner-r1"]
+    assert all(e["PATH"] == "/bin" for e in envs.values())
 
 
 def test_a_configuration_that_calibrated_anew_keeps_its_own_seed_once(tmp_path):
