@@ -13,10 +13,11 @@
 # nocompile (cudagraph_mode FULL) 1.27x faster than the runner with broken outputs, and one pair of
 # nocompile_dec (no torch.compile, whole graphs of decode-only steps) at 0.90-0.98x the runner's wall.
 # biggraphs graphs steps of up to 2,048 tokens (piecewise) where the GPU config stops at 512;
-# breakable captures piecewise graphs without torch.compile (VLLM_USE_BREAKABLE_CUDAGRAPH). ~25 min:
-#   WARMUP="invoices/tight/135m=plain,runner,biggraphs,breakable" BENCH_COMMIT=<commit> \
+# breakable captures piecewise graphs without torch.compile (VLLM_USE_BREAKABLE_CUDAGRAPH), and
+# bigbreakable does so up to 2,048 tokens a step. ~25 min:
+#   WARMUP="invoices/tight/135m=plain,runner,breakable,bigbreakable" BENCH_COMMIT=<commit> \
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1000 --cases \
-#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,biggraphs,breakable"
+#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,breakable,bigbreakable"
 # Check a new configuration's outputs too (rows_valid, and errors in its results.sqlite), not only its speed.
 # (2) The 8B shape with the GPU config's 20 graph sizes (it runs up to 127 requests at once, where the
 # lists differ), vllmgraphs beside it (~4 min a round):

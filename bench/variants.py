@@ -24,7 +24,8 @@ NO_COMPILE = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 # Environment a configuration adds to the runner's process. breakable: vLLM 0.26 captures piecewise
 # CUDA graphs without torch.compile, breaking the capture at attention at run time
 # (vllm/compilation/breakable_cudagraph.py): no compile at start, graphs for the steps that prefill.
-VARIANT_ENV = {"breakable": {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}}
+BREAKABLE = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
+VARIANT_ENV = {"breakable": BREAKABLE, "bigbreakable": BREAKABLE}
 
 
 @functools.lru_cache(maxsize=None)  # asked under the scheduler's lock
@@ -59,6 +60,7 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "biggraphs": ({"cuda_graph_sizes": BIG_GRAPH_SIZES}, {}),
         "nocompile_dec": ({"extra_args": {"compilation_config": NO_COMPILE}}, {}),
         "breakable": ({}, {}),  # the GPU config, with VARIANT_ENV's
+        "bigbreakable": ({"cuda_graph_sizes": BIG_GRAPH_SIZES}, {}),
         "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),
