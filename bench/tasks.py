@@ -199,10 +199,12 @@ def runner_result(d: Path) -> dict:
     s = dict(con.execute("SELECT * FROM run_stats ORDER BY run_id DESC LIMIT 1").fetchone())
     choice = json.loads(s.pop("engine_choice_json") or "{}")
     valid = con.execute("SELECT count(*) FROM results WHERE status = 'ok'").fetchone()[0]
+    # vLLM's reasons (an `error` is a token the grammar forbade): a faster setting must not change them
+    finish = dict(con.execute("SELECT coalesce(finish_reason, 'none'), count(*) FROM results GROUP BY 1").fetchall())
     con.close()
     return {k: s[k] for k in ("documents_per_s", "generation_s", "engine_load_s", "wall_s", "prefix_cache_hit_rate",
                               "plan_prefix_share", "preemptions", "spec_acceptance_rate", "completion_tokens")} | {
-        "rows": s["rows_total"], "rows_valid": valid, "calibration": choice.get("speculative_calibration"),
+        "rows": s["rows_total"], "rows_valid": valid, "finish_reasons": finish, "calibration": choice.get("speculative_calibration"),
         "engine_starts_s": choice.get("engine_starts_s"), "grammar": choice.get("grammar"),  # measured or cached
         "engines": [{k: v for k, v in e.items() if k != "settings"} for e in choice.get("engines", [])]}
 

@@ -1,4 +1,5 @@
 """bench/tasks.py: what a benchmark run records from vLLM's own log."""
+import sqlite3
 from pathlib import Path
 
 from bench.tasks import log_samples
@@ -165,3 +166,24 @@ def test_a_configuration_starts_from_its_own_seed_else_from_the_first_runs(tmp_p
         runner_command(a, Task("invoices/tight/135m", config.rstrip("2"), 2), d, seeds)
         copied[config] = (d / "results.sqlite").read_bytes()
     assert copied == {"runner": b"first", "fewgraphs": b"first", "fewgraphs2": b"own"}
+
+
+def test_a_runner_runs_record_counts_vllms_finish_reasons_beside_its_valid_rows(make_job):
+    """A faster engine setting must not change outputs: each run's record counts its rows by vLLM's
+    finish reason (an `error` is a token the grammar forbade), read from the job's own database."""
+    from click.testing import CliRunner
+
+    from bench.tasks import runner_result
+    from runner.cli import cli
+
+    job = make_job(rows=12)
+    assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
+    db = job.parent / "out" / "results.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("UPDATE results SET finish_reason = 'error', status = 'invalid_json' WHERE row_id IN "
+                "(SELECT row_id FROM results ORDER BY row_id LIMIT 3)")
+    con.commit()
+    con.close()
+    r = runner_result(db.parent)
+    assert r["rows"] == 12 and r["rows_valid"] == 9
+    assert r["finish_reasons"] == {"stop": 9, "error": 3}
