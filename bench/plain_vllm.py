@@ -52,7 +52,8 @@ def main() -> None:
     hits, queries = metrics.get("vllm:prefix_cache_hits", 0), metrics.get("vllm:prefix_cache_queries", 0)
     print("RESULT " + json.dumps({
         "rows": len(outs), "rows_valid": valid,
-        "finish_reasons": dict(Counter(str(o.outputs[0].finish_reason) for o in outs)), "generation_s": round(gen_s, 3), "engine_load_s": round(load_s, 2),
+        "finish_reasons": dict(Counter(str(o.outputs[0].finish_reason) for o in outs)),
+        "generation_s": round(gen_s, 3), "engine_load_s": round(load_s, 2),
         "read_s": round(read_s, 3), "documents_per_s": len(outs) / gen_s,
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "prefix_cache_hit_rate": hits / queries if queries else None,

@@ -111,13 +111,16 @@ class EngineConfig(Strict):
     @classmethod
     def _no_graphs_of_mixed_steps(cls, extra: dict[str, Any]) -> dict[str, Any]:
         """cudagraph_mode FULL also captures whole-step graphs of steps that prefill and decode at
-        once (FlashAttention 3 declares them supported); on an H200 with vLLM 0.26 their replays broke
-        outputs: tokens the grammar forbids, degenerate text (bench/results/2026-12-01-nvidia-h200-
-        nocompile.json; pytorch/torchtitan#3685 saw the same). A job's results must not depend on
-        it. FULL_AND_PIECEWISE (vLLM's default) and FULL_DECODE_ONLY graph whole decode-only steps."""
+        once (FlashAttention 3 declares them supported). On an H200 with vLLM 0.26, an engine with
+        that mode (no torch.compile, graphs up to 2,048 tokens a step) ended rows with tokens the
+        grammar forbids and wrote degenerate text; the same engine with decode-only whole graphs
+        did not (see bench/results/2026-12-01-nvidia-h200-nocompile.json and its -dec twin), and
+        pytorch/torchtitan#3668 found FULL at large capture sizes broke generation. A job's results
+        must not depend on it. vllm_settings.graphs_of_mixed_steps catches the settings with which
+        vLLM chooses FULL itself, once the engine has started."""
         compilation = extra.get("compilation_config")
         mode = compilation.get("cudagraph_mode") if isinstance(compilation, dict) else None
-        if (mode.upper() if isinstance(mode, str) else mode) in ("FULL", 2):  # 2: CUDAGraphMode.FULL
+        if (mode.strip().upper() if isinstance(mode, str) else mode) in ("FULL", 2):  # 2: CUDAGraphMode.FULL
             raise ValueError("compilation_config.cudagraph_mode FULL graphs steps that mix prefill and decode, "
                              "which broke outputs on vLLM 0.26 (H200): use FULL_AND_PIECEWISE or FULL_DECODE_ONLY")
         return extra

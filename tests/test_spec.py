@@ -59,17 +59,39 @@ def test_bad_job_names_file_and_field(make_job, mutate, expected):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("mode", ["FULL", "full", 2])
+@pytest.mark.parametrize("mode", ["FULL", "full", " Full ", 2])
 def test_whole_step_graphs_of_steps_that_prefill_are_refused(make_job, mode):
-    """cudagraph_mode FULL broke outputs on an H200 (vLLM 0.26); the modes that graph decode-only
-    steps whole pass through to vLLM."""
+    """cudagraph_mode FULL broke outputs on an H200 (vLLM 0.26): refused in the engine config file,
+    in the job's engine section and from --set, each as one line naming where it was set."""
+    refused = "Value error, compilation_config.cudagraph_mode FULL graphs steps"
     path = make_job(engine={"extra_args": {"compilation_config": {"mode": 0, "cudagraph_mode": mode}}})
     with pytest.raises(SpecError) as err:
         load_job(path)
-    assert "engine.yaml: extra_args: Value error, compilation_config.cudagraph_mode FULL graphs steps" in str(err.value)
-    for fine in ("FULL_DECODE_ONLY", "full_and_piecewise", "PIECEWISE"):
-        path = make_job(engine={"extra_args": {"compilation_config": {"cudagraph_mode": fine}}})
-        assert load_job(path).engine.extra_args["compilation_config"]["cudagraph_mode"] == fine
+    assert f"engine.yaml: extra_args: {refused}" in str(err.value) and "\n" not in str(err.value)
+    path = make_job(job={"engine": {"config": "configs/engine.yaml",
+                                    "extra_args": {"compilation_config": {"cudagraph_mode": mode}}}})
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert f"job.yaml: engine.extra_args: {refused}" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(SpecError, match=f"job.yaml: engine.extra_args: {refused}.*with --set"):
+        load_job(make_job(), [f"engine.extra_args.compilation_config.cudagraph_mode={mode}"])
+
+
+@pytest.mark.parametrize("compilation", [{"cudagraph_mode": "FULL_DECODE_ONLY"}, {"cudagraph_mode": "PIECEWISE"},
+                                         {"cudagraph_mode": "full_and_piecewise"}, {"cudagraph_mode": None}, 3, None])
+def test_other_compilation_settings_pass_through(make_job, compilation):
+    path = make_job(engine={"extra_args": {"compilation_config": compilation}})
+    assert load_job(path).engine.extra_args["compilation_config"] == compilation
+
+
+def test_a_jobs_extra_args_add_to_the_engine_configs_key_by_key(make_job):
+    """vLLM's own settings merge: a job (or --set) that names one keeps the config's others."""
+    path = make_job(engine={"extra_args": {"disable_log_stats": False, "compilation_config": {"mode": 3}}})
+    job = load_job(path, ["engine.extra_args.compilation_config.cudagraph_mode=FULL_DECODE_ONLY"])
+    assert job.engine.extra_args == {"disable_log_stats": False,
+                                     "compilation_config": {"mode": 3, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+    job = load_job(path, ["engine.extra_args.compilation_config=0"])  # a value that is not a mapping replaces
+    assert job.engine.extra_args == {"disable_log_stats": False, "compilation_config": 0}
 
 
 def test_bad_engine_config_file_is_named(make_job, tmp_path):

@@ -16,8 +16,8 @@ from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
 from runner.engines.feed import Admitted, Feed
-from runner.engines.vllm_settings import (core_in_this_process, engine_counters, gauge, llm_kwargs,
-                                          offline_environment, resolve_grammar, sampling_params)
+from runner.engines.vllm_settings import (core_in_this_process, engine_counters, gauge, graphs_of_mixed_steps,
+                                          llm_kwargs, offline_environment, resolve_grammar, sampling_params)
 from runner.errors import EngineError, ModelError, RunnerError
 from runner.models import is_model_dir
 from runner.spec import SamplingSpec
@@ -59,6 +59,10 @@ class VllmEngine(Engine):
         except Exception as exc:  # vLLM raises many types while starting
             raise EngineError(f"vLLM failed to start with model {model_path}: {exc.__class__.__name__}: {exc}") from None
         self._core = self.llm.llm_engine
+        refused = graphs_of_mixed_steps(self._core.vllm_config)
+        if refused:
+            self.close()
+            raise EngineError(refused)
         cache = self._core.vllm_config.cache_config
         self.kv_blocks, self.kv_block_tokens = cache.num_gpu_blocks, cache.block_size
         self.budget = KvBudget(self.kv_blocks if cfg.kv_admission else None, self.kv_block_tokens,

@@ -1,0 +1,48 @@
+"""The engine refuses to run when vLLM settled on whole CUDA graphs of steps that mix prefill and
+decode (cudagraph_mode FULL), whichever setting led vLLM there. vLLM on the CPU never does (it runs
+no CUDA graphs), so a stand-in vllm module plays the engine that did."""
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+
+from runner.engine_config import EngineConfig
+from runner.engines.vllm_settings import graphs_of_mixed_steps
+from runner.errors import EngineError
+from runner.spec import SamplingSpec
+
+
+def config_with(mode_name):
+    mode = None if mode_name is None else types.SimpleNamespace(name=mode_name)
+    return types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_mode=mode),
+                                 cache_config=types.SimpleNamespace(num_gpu_blocks=64, block_size=16))
+
+
+@pytest.mark.parametrize("name", ["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE", None])
+def test_modes_that_graph_only_decode_steps_whole_pass(name):
+    assert graphs_of_mixed_steps(config_with(name)) is None
+    assert graphs_of_mixed_steps(types.SimpleNamespace()) is None  # a version without the setting
+
+
+def test_an_engine_vllm_settled_on_full_graphs_is_shut_down_and_refused(tiny_model_dir, monkeypatch):
+    shut = []
+
+    class LLM:
+        def __init__(self, **kw):
+            self.llm_engine = types.SimpleNamespace(
+                vllm_config=config_with("FULL"), engine_core=types.SimpleNamespace(shutdown=lambda: shut.append(1)))
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams, fake.__version__ = LLM, lambda **kw: kw, "0.26.0"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the engine sets vLLM's offline variables
+    cfg = EngineConfig(model=str(tiny_model_dir), structured_output_backend="xgrammar",
+                       extra_args={"compilation_config": {"splitting_ops": []}})  # vLLM 0.26 makes this FULL
+    from runner.engines.vllm_engine import VllmEngine
+
+    with pytest.raises(EngineError, match="vLLM settled on compilation_config.cudagraph_mode FULL"):
+        VllmEngine(cfg, tiny_model_dir, SamplingSpec(temperature=0, max_tokens=8), {"type": "object"})
+    assert shut == [1]  # its engine core stopped before the error reaches the run
