@@ -145,12 +145,17 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/rb")
     ap.add_argument("--out", default=None)
     ap.add_argument("--machine", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="check the cases and configurations, run nothing")
     a = ap.parse_args()
-    install_handlers()  # a stopped bench stops its runs' engine processes too
-
-    t0 = time.monotonic()
-    tasks = make_tasks(a)
+    try:
+        tasks = make_tasks(a)
+    except KeyError as exc:  # a misspelt case or configuration: before any GPU time is spent
+        sys.exit(f"Error: {exc.args[0]}")
     print(f"{len(tasks)} runs planned", file=sys.stderr, flush=True)
+    if a.dry_run:
+        return
+    install_handlers()  # a stopped bench stops its runs' engine processes too
+    t0 = time.monotonic()
 
     def save() -> None:
         if a.out:

@@ -10,11 +10,11 @@
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
 # The leases that issue 11 waits for. (1) The 135M: the lease of 62855f5 (2 rounds) measured
-# nocompile (cudagraph_mode FULL) 1.27x faster than the runner with broken outputs, and one pair of
-# nocompile_dec (no torch.compile, whole graphs of decode-only steps) at 0.90-0.98x the runner's wall.
-# biggraphs graphs steps of up to 2,048 tokens (piecewise) where the GPU config stops at 512;
-# breakable captures piecewise graphs without torch.compile (VLLM_USE_BREAKABLE_CUDAGRAPH), and
-# bigbreakable does so up to 2,048 tokens a step. ~25 min:
+# nocompile (cudagraph_mode FULL; removed since) 1.27x faster than the runner with broken outputs,
+# and one run of nocompile_dec (no torch.compile, whole graphs of decode-only steps) 1.03x faster
+# than the runner's run of its round 2. breakable captures piecewise graphs without torch.compile
+# (VLLM_USE_BREAKABLE_CUDAGRAPH), and bigbreakable does so up to 2,048 tokens a step where the GPU
+# config stops at 512 (biggraphs: the same sizes, compiled). ~25 min:
 #   WARMUP="invoices/tight/135m=plain,runner,breakable,bigbreakable" BENCH_COMMIT=<commit> \
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1000 --cases \
 #     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,breakable,bigbreakable"
@@ -50,6 +50,11 @@ start)
   rm -rf /tmp/proj && cp -r . /tmp/proj && cd /tmp/proj
   export BENCH WARMUP="${WARMUP:-}" BENCH_COMMIT="${BENCH_COMMIT:-unknown}" IMPORTTIME="${IMPORTTIME:-}"
   export MACHINE="$(machine)"
+  # A misspelt case or configuration stops here, before the warm-up spends GPU time (bench.py only).
+  if [ "$BENCH" = bench/bench.py ]; then
+    { [ -z "$WARMUP" ] || python3 "$BENCH" --model /tmp/smollm2 --multi "" --cases "$WARMUP" --dry-run; } &&
+      python3 "$BENCH" --model /tmp/smollm2 "$@" --dry-run || exit 1
+  fi
   setsid nohup bash -c '
     if [ -n "$IMPORTTIME" ]; then
       python3 -X importtime -c "import vllm; from vllm import LLM, SamplingParams" 2> /tmp/importtime.txt

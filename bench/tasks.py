@@ -54,7 +54,9 @@ class Task:
     def compile_key(self) -> tuple:
         """Runs that share vLLM's compiled graphs: the CUDA graph sizes are part of vLLM's compile
         hash (plain vLLM runs its own list; the runner the GPU config's, unless its variant names one;
-        a speculative config is in the hash too, which spec_k* do not count)."""
+        a speculative config is in the hash too, which spec_k* do not count). Variants that do not
+        compile (nocompile_dec, breakable) share their sizes' key: they only wait for those first
+        compiles when several GPUs start at once."""
         return (self.model, str(graph_sizes(self.config)), self.gpus)
 
     def record(self) -> dict:
@@ -89,9 +91,11 @@ def make_tasks(a) -> list[Task]:
     last rounds rather than a whole comparison."""
     for case, configs, _ in parse_cases(a.cases) + parse_cases(a.multi):
         check_case(case)  # a misspelt case or configuration stops here, before any GPU time is spent
-        for c in configs:
-            if c not in ("plain", "sorted"):
+        for c in (c for c in configs if c not in ("plain", "sorted")):
+            try:
                 runner_variant(c)
+            except (KeyError, ValueError):  # ValueError: vq/spec_k without a number
+                raise KeyError(f"configuration {c!r}: neither plain, sorted nor one of bench/variants.py's") from None
     tasks = []
     for r in range(1, max(a.repeats, a.multi_repeats) + 1):
         for case, configs, cap in parse_cases(a.cases):
@@ -117,6 +121,7 @@ def workload_dir(a, t: Task) -> Path:
 
 
 def model_dir(a, t: Task) -> Path:
+    """The task's model folder: the 135M's, or a config-only one of the 8B shape, written once."""
     if t.model == "135m":
         return Path(a.model)
     from bench.models import write_dummy_model
@@ -128,18 +133,21 @@ def model_dir(a, t: Task) -> Path:
 
 
 def max_tokens(t: Task) -> int:
+    """Output tokens a row may take: the workload's, 256 for the 8B shape."""
     from bench.workload import WORKLOADS
 
     return 256 if t.model == "8b" else WORKLOADS[t.workload][5]
 
 
 def tight_blocks(a, t: Task) -> Optional[int]:
+    """KV blocks of the tight regime for the task's model; None in the roomy one (vLLM's own)."""
     if t.regime != "tight":
         return None
     return a.tight_blocks_8b if t.model == "8b" else a.tight_blocks
 
 
 def task_dir(a, t: Task) -> Path:
+    """An empty folder for the task's files (job, database, logs)."""
     d = Path(a.workdir) / "runs" / f"{t.case.replace('/', '-')}-{t.config}-r{t.round}"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
@@ -147,6 +155,7 @@ def task_dir(a, t: Task) -> Path:
 
 
 def plain_command(a, t: Task, d: Path) -> list[str]:
+    """The plain-vLLM script's command line (arrival order, or sorted by system prompt)."""
     w = workload_dir(a, t)
     cmd = [sys.executable, str(ROOT / "bench" / "plain_vllm.py"), "--model", str(model_dir(a, t)),
            "--input", str(w / "documents.parquet"), "--schema", str(w / "schema.json"),
@@ -168,6 +177,8 @@ def reuses_first_run(t: Task) -> bool:
 
 
 def runner_command(a, t: Task, d: Path, seeds: dict) -> list[str]:
+    """`runner run` on a job written for the task, with its configuration's settings (and the
+    calibration its case stored, for the configurations that reuse it)."""
     w = workload_dir(a, t)
     engine, job_over = runner_variant(t.config)
     config = ROOT / "configs" / ("smollm2-cpu.yaml" if a.platform == "cpu" else "smollm2-h200.yaml")
@@ -194,6 +205,7 @@ def runner_command(a, t: Task, d: Path, seeds: dict) -> list[str]:
 
 
 def runner_result(d: Path) -> dict:
+    """What a runner run measured, from its job's database (run_stats and results)."""
     con = sqlite3.connect(d / "results.sqlite")
     con.row_factory = sqlite3.Row
     s = dict(con.execute("SELECT * FROM run_stats ORDER BY run_id DESC LIMIT 1").fetchone())
@@ -247,6 +259,8 @@ def remember_seed(a, t: Task, result: dict, d: Path, seeds: dict) -> None:
 
 
 def execute(a, t: Task, seeds: dict, env: dict) -> dict:
+    """Run the task's process and return its record: the result, vLLM's log samples, the process
+    time; or the error and the log's tail."""
     d = task_dir(a, t)
     plain = t.config in ("plain", "sorted")
     cmd = plain_command(a, t, d) if plain else runner_command(a, t, d, seeds)

@@ -187,3 +187,22 @@ def test_a_runner_runs_record_counts_vllms_finish_reasons_beside_its_valid_rows(
     r = runner_result(db.parent)
     assert r["rows"] == 12 and r["rows_valid"] == 9
     assert r["finish_reasons"] == {"stop": 9, "error": 3}
+
+
+def test_a_dry_run_checks_the_plan_and_runs_nothing(tmp_path):
+    """bench/gpu.sh checks both lists with --dry-run before its warm-up spends GPU time."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def dry(cases):
+        return subprocess.run([sys.executable, str(ROOT / "bench" / "bench.py"), "--model", str(tmp_path), "--multi", "",
+                               "--cases", cases, "--workdir", str(tmp_path / "rb"), "--dry-run"],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+    ok = dry("invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,breakable")
+    assert ok.returncode == 0 and "13 runs planned" in ok.stderr
+    bad = dry("invoices/tight/135m=plain,runer")
+    assert bad.returncode == 1 and "Error: configuration 'runer'" in bad.stderr
+    assert not (tmp_path / "rb").exists()
