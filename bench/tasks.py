@@ -21,6 +21,7 @@ import yaml
 
 from bench.procs import run_group
 from bench.variants import VARIANT_ENV, engine_settings, graph_sizes, runner_variant
+from runner.errors import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
 # vLLM's periodic stats line (every 5 s while it generates): requests running and KV-cache usage
@@ -65,11 +66,13 @@ class Task:
 
 
 def parse_cases(text: str) -> list[tuple[str, list[str], Optional[int]]]:
-    """`CASE=CONFIGS[@REPEATS];...`: REPEATS caps that case's rounds."""
+    """`CASE=CONFIGS[@REPEATS];...`: REPEATS caps that case's rounds; KeyError for another shape."""
     out = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
-        case, rest = part.split("=")
+        case, eq, rest = part.partition("=")
         configs, _, cap = rest.partition("@")
+        if not eq or not configs or cap and not cap.isdigit():
+            raise KeyError(f"cases {part!r}: expected WORKLOAD/REGIME/MODEL=CONFIG,CONFIG[@REPEATS]")
         out.append((case, configs.split(","), int(cap) if cap else None))
     return out
 
@@ -96,6 +99,10 @@ def make_tasks(a) -> list[Task]:
                 runner_variant(c)
             except (KeyError, ValueError):  # ValueError: vq/spec_k without a number
                 raise KeyError(f"configuration {c!r}: neither plain, sorted nor one of bench/variants.py's") from None
+            try:
+                graph_sizes(c)  # its settings over the GPU config, as the runner validates them
+            except SpecError as exc:
+                raise KeyError(f"configuration {c!r}: the runner refuses its settings: {exc}") from None
     tasks = []
     for r in range(1, max(a.repeats, a.multi_repeats) + 1):
         for case, configs, cap in parse_cases(a.cases):

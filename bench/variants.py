@@ -15,7 +15,7 @@ FEW_GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192
 # vLLM, sorted, more samples of steps that prefilled ran so than as piecewise graphs: 667 against
 # 416). BIG_GRAPH_SIZES goes on to 2,048.
 BIG_GRAPH_SIZES = FEW_GRAPH_SIZES + [640, 768, 1024, 1280, 1536, 2048]
-# No torch.compile: its Dynamo pass and cache load took 4.5-5.9 s of every engine start on the H200,
+# No torch.compile: its Dynamo pass and cache load took 3.5-6.4 s of every engine start on the H200,
 # and a first start with new settings pays the whole compile (22.8 s at 62855f5). Steps that only
 # decode run as whole CUDA graphs; the rest eagerly. (Whole graphs of every step, cudagraph_mode
 # FULL, ran 1.27x faster at 62855f5 but broke outputs; the runner refuses that mode:

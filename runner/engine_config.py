@@ -112,17 +112,19 @@ class EngineConfig(Strict):
     def _no_graphs_of_mixed_steps(cls, extra: dict[str, Any]) -> dict[str, Any]:
         """cudagraph_mode FULL also captures whole-step graphs of steps that prefill and decode at
         once (FlashAttention 3 declares them supported). On an H200 with vLLM 0.26, an engine with
-        that mode (no torch.compile, graphs up to 2,048 tokens a step) ended rows with tokens the
-        grammar forbids and wrote degenerate text; the same engine with decode-only whole graphs
-        did not (see bench/results/2026-12-01-nvidia-h200-nocompile.json and its -dec twin), and
-        pytorch/torchtitan#3668 found FULL at large capture sizes broke generation. A job's results
-        must not depend on it. vllm_settings.graphs_of_mixed_steps catches the settings with which
-        vLLM chooses FULL itself, once the engine has started."""
+        that mode, no torch.compile and graphs up to 2,048 tokens a step ended rows with tokens the
+        grammar forbids and wrote degenerate text (bench/results/2026-12-01-nvidia-h200-nocompile.json).
+        It changed three things at once; one run without compile and with decode-only whole graphs
+        at 20 sizes ended no row so, and pytorch/torchtitan#3668 found FULL at large capture sizes
+        broke generation, so FULL is the likely cause. A job's results must not depend on it.
+        vllm_settings.graphs_of_mixed_steps catches the settings with which vLLM chooses FULL
+        itself, once the engine has started."""
         compilation = extra.get("compilation_config")
         mode = compilation.get("cudagraph_mode") if isinstance(compilation, dict) else None
         if (mode.strip().upper() if isinstance(mode, str) else mode) in ("FULL", 2):  # 2: CUDAGraphMode.FULL
             raise ValueError("compilation_config.cudagraph_mode FULL graphs steps that mix prefill and decode, "
-                             "which broke outputs on vLLM 0.26 (H200): use FULL_AND_PIECEWISE or FULL_DECODE_ONLY")
+                             "which broke outputs on vLLM 0.26 (H200): use FULL_DECODE_ONLY (FULL_AND_PIECEWISE "
+                             "needs torch.compile, mode 3: with mode 0 vLLM drops CUDA graphs)")
         return extra
 
     def graph_sizes(self) -> Optional[list[int]]:

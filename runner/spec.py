@@ -197,14 +197,6 @@ def _resolve(base: Path, rel: str) -> Path:
     return p if p.is_absolute() else (base / p).resolve()
 
 
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """base with top's keys set on it; mappings in both are merged the same way."""
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def load_engine_config(path: Path, overrides: dict[str, Any], job_path: Path) -> EngineConfig:
     """Validate the engine config file, then the job's overrides on top of it."""
     raw = read_yaml(path)
@@ -213,8 +205,6 @@ def load_engine_config(path: Path, overrides: dict[str, Any], job_path: Path) ->
     except ValidationError as exc:
         raise SpecError(format_validation_error(path, exc)) from None
     merged = {**base.model_dump(exclude_unset=True), **overrides}
-    if isinstance(overrides.get("extra_args"), dict):  # vLLM's own settings: a job adds to the config's, key by key
-        merged["extra_args"] = _deep_merge(base.extra_args, overrides["extra_args"])
     try:
         return EngineConfig.model_validate(merged)
     except ValidationError as exc:

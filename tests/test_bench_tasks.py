@@ -74,6 +74,21 @@ def test_a_misspelt_configuration_stops_the_benchmark_before_it_starts(tmp_path)
         a.cases = f"{case}=plain"
         with pytest.raises(KeyError, match="WORKLOAD/REGIME/MODEL"):
             make_tasks(a)
+    import bench.tasks
+    from runner.errors import SpecError
+
+    def refused(config):
+        raise SpecError("smollm2-h200.yaml: extra_args: Value error, compilation_config.cudagraph_mode FULL ...")
+
+    with pytest.MonkeyPatch.context() as mp:  # a variant the runner would refuse fails here, not on the GPU
+        mp.setattr(bench.tasks, "graph_sizes", refused)
+        a.cases = "invoices/tight/135m=plain,runner"
+        with pytest.raises(KeyError, match="'runner': the runner refuses its settings: .*cudagraph_mode FULL"):
+            make_tasks(a)
+    for cases in ("invoices/tight/135m", "invoices/tight/135m=runner@x", "invoices/tight/135m="):
+        a.cases = cases
+        with pytest.raises(KeyError, match="expected WORKLOAD/REGIME/MODEL=CONFIG"):
+            make_tasks(a)
 
 
 def test_breakable_alone_adds_vllms_breakable_graphs_to_its_process(tmp_path, monkeypatch, tiny_model_dir):

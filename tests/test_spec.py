@@ -84,14 +84,13 @@ def test_other_compilation_settings_pass_through(make_job, compilation):
     assert load_job(path).engine.extra_args["compilation_config"] == compilation
 
 
-def test_a_jobs_extra_args_add_to_the_engine_configs_key_by_key(make_job):
-    """vLLM's own settings merge: a job (or --set) that names one keeps the config's others."""
+def test_a_jobs_extra_args_replace_the_engine_configs_whole(make_job):
+    """vLLM's own settings are one value: a job (or --set) that names extra_args names all of them,
+    so that what the config file says cannot mix into them unseen."""
     path = make_job(engine={"extra_args": {"disable_log_stats": False, "compilation_config": {"mode": 3}}})
     job = load_job(path, ["engine.extra_args.compilation_config.cudagraph_mode=FULL_DECODE_ONLY"])
-    assert job.engine.extra_args == {"disable_log_stats": False,
-                                     "compilation_config": {"mode": 3, "cudagraph_mode": "FULL_DECODE_ONLY"}}
-    job = load_job(path, ["engine.extra_args.compilation_config=0"])  # a value that is not a mapping replaces
-    assert job.engine.extra_args == {"disable_log_stats": False, "compilation_config": 0}
+    assert job.engine.extra_args == {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}
+    assert load_job(path).engine.extra_args["disable_log_stats"] is False
 
 
 def test_bad_engine_config_file_is_named(make_job, tmp_path):

@@ -43,6 +43,14 @@ def test_an_engine_vllm_settled_on_full_graphs_is_shut_down_and_refused(tiny_mod
                        extra_args={"compilation_config": {"splitting_ops": []}})  # vLLM 0.26 makes this FULL
     from runner.engines.vllm_engine import VllmEngine
 
-    with pytest.raises(EngineError, match="vLLM settled on compilation_config.cudagraph_mode FULL"):
+    with pytest.raises(EngineError, match="resolved to compilation_config.cudagraph_mode FULL .*set cudagraph_mode FULL_DECODE_ONLY"):
         VllmEngine(cfg, tiny_model_dir, SamplingSpec(temperature=0, max_tokens=8), {"type": "object"})
     assert shut == [1]  # its engine core stopped before the error reaches the run
+
+
+@pytest.mark.vllm
+def test_of_vllms_own_modes_only_full_is_refused():
+    modes = pytest.importorskip("vllm.config.compilation").CUDAGraphMode
+    refused = {m.name for m in modes if graphs_of_mixed_steps(types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(cudagraph_mode=m)))}
+    assert refused == {"FULL"} and {"FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"} <= {m.name for m in modes}

@@ -58,11 +58,11 @@ class VllmEngine(Engine):
             raise
         except Exception as exc:  # vLLM raises many types while starting
             raise EngineError(f"vLLM failed to start with model {model_path}: {exc.__class__.__name__}: {exc}") from None
-        self._core = self.llm.llm_engine
-        refused = graphs_of_mixed_steps(self._core.vllm_config)
+        refused = graphs_of_mixed_steps(self.llm.llm_engine.vllm_config)
         if refused:
-            self.close()
+            self.close()  # its core stops now; nothing of it stays referenced here
             raise EngineError(refused)
+        self._core = self.llm.llm_engine
         cache = self._core.vllm_config.cache_config
         self.kv_blocks, self.kv_block_tokens = cache.num_gpu_blocks, cache.block_size
         self.budget = KvBudget(self.kv_blocks if cfg.kv_admission else None, self.kv_block_tokens,

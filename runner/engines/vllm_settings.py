@@ -192,7 +192,7 @@ def sampling_params(sampling: SamplingSpec, max_tokens: int, retry: bool = False
 
 
 def graphs_of_mixed_steps(vllm_config: Any) -> Optional[str]:
-    """Why an engine must not run, when vLLM settled on cudagraph_mode FULL: whole CUDA graphs of
+    """Why an engine must not run, when vLLM's configuration resolved to cudagraph_mode FULL: whole CUDA graphs of
     steps that prefill and decode at once, which broke outputs on an H200 with vLLM 0.26 (see
     EngineConfig._no_graphs_of_mixed_steps). The config refuses the mode named in extra_args; vLLM
     also turns its default into FULL by itself for some other settings (compilation_config
@@ -200,6 +200,7 @@ def graphs_of_mixed_steps(vllm_config: Any) -> Optional[str]:
     mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
     if getattr(mode, "name", None) != "FULL":
         return None
-    return ("vLLM settled on compilation_config.cudagraph_mode FULL (from the engine's extra_args): it graphs "
-            "steps that mix prefill and decode, which broke outputs on vLLM 0.26 (H200); set cudagraph_mode "
-            "FULL_AND_PIECEWISE or FULL_DECODE_ONLY")
+    return ("vLLM's configuration resolved to compilation_config.cudagraph_mode FULL (from the engine's extra_args, "
+            "e.g. splitting_ops [] or a pass_config fusion, or from the model's defaults): it graphs steps that mix "
+            "prefill and decode, which broke outputs on vLLM 0.26 (H200); set cudagraph_mode FULL_DECODE_ONLY in "
+            "extra_args.compilation_config, or remove the setting that led there")
