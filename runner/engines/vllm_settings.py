@@ -192,11 +192,12 @@ def sampling_params(sampling: SamplingSpec, max_tokens: int, retry: bool = False
 
 
 def graphs_of_mixed_steps(vllm_config: Any) -> Optional[str]:
-    """Why an engine must not run, when vLLM's configuration resolved to cudagraph_mode FULL: whole CUDA graphs of
-    steps that prefill and decode at once, which broke outputs on an H200 with vLLM 0.26 (see
-    EngineConfig._no_graphs_of_mixed_steps). The config refuses the mode named in extra_args; vLLM
-    also turns its default into FULL by itself for some other settings (compilation_config
-    splitting_ops [], pass_config's enable_sp, fuse_gemm_comms, fuse_attn_quant)."""
+    """Why an engine must not run, when vLLM's configuration resolved to cudagraph_mode FULL: whole
+    CUDA graphs of steps that prefill and decode at once, which broke outputs on an H200 with vLLM
+    0.26 (see EngineConfig._no_graphs_of_mixed_steps). The config refuses the mode named in
+    extra_args; vLLM also turns its default into FULL by itself for some other settings
+    (compilation_config splitting_ops [], pass_config's enable_sp, fuse_gemm_comms,
+    fuse_attn_quant) and some models' defaults."""
     mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
     if getattr(mode, "name", None) != "FULL":
         return None
