@@ -81,8 +81,12 @@ class Schedule:
 
 
 def _outcome(result: dict) -> str:
+    """A finished run in one line: its time and speed, and its outputs (rows valid, vLLM's finish
+    reasons), so that a faster setting that changes outputs shows while the lease runs."""
     if "error" not in result:
-        return f"{result['process_s']:.1f} s, {result['documents_per_s']:.1f} doc/s"
+        finish = ", ".join(f"{k} {v}" for k, v in sorted((result.get("finish_reasons") or {}).items()))
+        return (f"{result['process_s']:.1f} s, {result['documents_per_s']:.1f} doc/s, "
+                f"{result.get('rows_valid')}/{result.get('rows')} valid" + (f" ({finish})" if finish else ""))
     lines = result["error"].strip().splitlines()
     return "ERROR " + lines[-1][:200] if lines else "ERROR"
 

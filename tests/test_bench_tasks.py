@@ -221,3 +221,12 @@ def test_a_dry_run_checks_the_plan_and_runs_nothing(tmp_path):
     bad = dry("invoices/tight/135m=plain,runer")
     assert bad.returncode == 1 and "Error: configuration 'runer'" in bad.stderr
     assert not (tmp_path / "rb").exists()
+
+
+def test_a_finished_runs_line_shows_its_outputs_beside_its_speed():
+    from bench.schedule import _outcome
+
+    line = _outcome({"process_s": 44.29, "documents_per_s": 76.69, "rows": 1024, "rows_valid": 700,
+                     "finish_reasons": {"stop": 705, "length": 302, "error": 17}})
+    assert line == "44.3 s, 76.7 doc/s, 700/1024 valid (error 17, length 302, stop 705)"
+    assert _outcome({"error": "Traceback\nEngineError: no GPU\n", "rc": 1}) == "ERROR EngineError: no GPU"
