@@ -20,10 +20,9 @@ from typing import Optional
 import yaml
 
 from bench.procs import run_group
-from bench.variants import VARIANT_ENV, engine_settings, graph_sizes, runner_variant
+from bench.variants import ROOT, VARIANT_ENV, engine_settings, graph_sizes, runner_variant
 from runner.errors import SpecError
 
-ROOT = Path(__file__).resolve().parent.parent
 # vLLM's periodic stats line (every 5 s while it generates): requests running and KV-cache usage
 STATS_LOG = re.compile(r"Running: (\d+) reqs.*?KV cache usage: ([\d.]+)%")
 STARTUP_LOG = re.compile(r"took|seconds|secs|torch\.compile|Graph captur|Loading weights|Memory profiling|KV cache|maximum concurrency", re.I)
@@ -96,11 +95,9 @@ def make_tasks(a) -> list[Task]:
         check_case(case)  # a misspelt case or configuration stops here, before any GPU time is spent
         for c in (c for c in configs if c not in ("plain", "sorted")):
             try:
-                runner_variant(c)
+                graph_sizes(c)  # the variant's settings over the GPU config, as the runner validates them
             except (KeyError, ValueError):  # ValueError: vq/spec_k without a number
                 raise KeyError(f"configuration {c!r}: neither plain, sorted nor one of bench/variants.py's") from None
-            try:
-                graph_sizes(c)  # its settings over the GPU config, as the runner validates them
             except SpecError as exc:
                 raise KeyError(f"configuration {c!r}: the runner refuses its settings: {exc}") from None
     tasks = []
@@ -223,7 +220,8 @@ def runner_result(d: Path) -> dict:
     con.close()
     return {k: s[k] for k in ("documents_per_s", "generation_s", "engine_load_s", "wall_s", "prefix_cache_hit_rate",
                               "plan_prefix_share", "preemptions", "spec_acceptance_rate", "completion_tokens")} | {
-        "rows": s["rows_total"], "rows_valid": valid, "finish_reasons": finish, "calibration": choice.get("speculative_calibration"),
+        "rows": s["rows_total"], "rows_valid": valid, "finish_reasons": finish,
+        "calibration": choice.get("speculative_calibration"),
         "engine_starts_s": choice.get("engine_starts_s"), "grammar": choice.get("grammar"),  # measured or cached
         "engines": [{k: v for k, v in e.items() if k != "settings"} for e in choice.get("engines", [])]}
 
