@@ -9,15 +9,14 @@
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
-# The leases that issue 11 waits for. (1) The 135M: the lease of 62855f5 (2 rounds) measured
-# nocompile (cudagraph_mode FULL; removed since) 1.27x faster than the runner with broken outputs,
-# and one run of nocompile_dec (no torch.compile, whole graphs of decode-only steps) 1.03x faster
-# than the runner's run of its round 2. breakable captures piecewise graphs without torch.compile
-# (VLLM_USE_BREAKABLE_CUDAGRAPH), and bigbreakable does so up to 2,048 tokens a step where the GPU
-# config stops at 512 (biggraphs: the same sizes, compiled). ~25 min:
-#   WARMUP="invoices/tight/135m=plain,runner,breakable,bigbreakable" BENCH_COMMIT=<commit> \
+# The leases that issue 11 waits for. (1) The 135M: the lease of 7e360a5 measured breakable
+# (VLLM_USE_BREAKABLE_CUDAGRAPH: piecewise graphs without torch.compile) 1.19x slower than the runner
+# in wall (its graph capture took 15 s), and bigbreakable (the same up to 2,048 tokens a step) faster
+# in generation in 2 of 3 rounds. biggraphs captures those sizes compiled (from the compile cache);
+# vllmgraphs is vLLM's own list. ~22 min:
+#   WARMUP="invoices/tight/135m=plain,runner,biggraphs" BENCH_COMMIT=<commit> \
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1000 --cases \
-#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,breakable,bigbreakable"
+#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,biggraphs"
 # Check a new configuration's outputs too (rows_valid, and errors in its results.sqlite), not only its speed.
 # (2) The 8B shape with the GPU config's 20 graph sizes (it runs up to 127 requests at once, where the
 # lists differ), vllmgraphs beside it (~4 min a round):

@@ -24,6 +24,8 @@ NO_COMPILE = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 # Environment a configuration adds to the runner's process. breakable: vLLM 0.26 captures piecewise
 # CUDA graphs without torch.compile, breaking the capture at attention at run time
 # (vllm/compilation/breakable_cudagraph.py): no compile at start, graphs for the steps that prefill.
+# Measured at 7e360a5 (bench/results/2026-12-01-nvidia-h200-breakable.json): sound outputs, but its
+# capture took 15 s of LLM(...) against the compiled runner's 2 s; wall 1.16-1.19x the runner's.
 BREAKABLE = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
 VARIANT_ENV = {"breakable": BREAKABLE, "bigbreakable": BREAKABLE}
 
