@@ -1,8 +1,8 @@
 """Fingerprints: short hashes of what decides a measurement, so that it is reused only while they hold.
 
 A stored speculative-decoding calibration is keyed by the model, the engine's settings, the vLLM
-version, the device, the schema, the sampling and the set of system prompts: change any one and
-the runner measures again.
+version, the device, the vLLM settings set in the environment, the schema, the sampling and the
+set of system prompts: change any one and the runner measures again.
 """
 from __future__ import annotations
 
@@ -72,6 +72,22 @@ def grammar_backend(job) -> str:
     return resolve_grammar(job.engine, job.model_path, job.output_schema)[0].structured_output_backend
 
 
+# vLLM settings read from the environment instead of its arguments that change how fast the engine
+# runs: graphs without torch.compile (VLLM_USE_BREAKABLE_CUDAGRAPH: 1.16-1.19x slower in wall on an
+# H200 at 7e360a5), no compile, the model runner, the sampler, the CPU build's cache and threads.
+ENGINE_ENVIRONMENT = ("VLLM_USE_BREAKABLE_CUDAGRAPH", "TORCH_COMPILE_DISABLE", "VLLM_USE_V2_MODEL_RUNNER",
+                      "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
+
+
+def engine_environment(job, environ: Optional[dict] = None) -> dict[str, str]:
+    """The ENGINE_ENVIRONMENT variables the job's engines run with: this process's, and for the
+    `ray` executor the job's `ray.env` over them (what its replicas get)."""
+    env = dict(os.environ if environ is None else environ)
+    if job.spec.executor == "ray":
+        env |= job.spec.ray.env
+    return {k: env[k] for k in ENGINE_ENVIRONMENT if k in env}
+
+
 def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
     """What decides the best speculative setting for a job (see runner/engines/calibrate.py)."""
     # Admission waves only pace when requests go in: a stored choice stays good with them on or off.
@@ -86,6 +102,9 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
     if engine["cuda_graph_sizes"] is None:
         del engine["cuda_graph_sizes"]
     engine["structured_output_backend"] = grammar_backend(job)
+    # Only where one is set: keys stored before (and the choices under them) stay valid without.
+    if environment := engine_environment(job):
+        engine["environment"] = environment
     sampling = {k: v for k, v in job.spec.sampling.fingerprint_dump().items()
                 if k not in ("retry_max_tokens", "retry_repetition_penalty")}
     return {

@@ -207,6 +207,48 @@ def test_calibrate_job_stores_a_choice_and_no_results(make_job):
     assert started == [4] and calibration(job.database_path)["reused_calibration_id"] == 1
 
 
+def test_a_vllm_setting_from_the_environment_measures_again_and_unset_reuses(make_job, monkeypatch):
+    """VLLM_USE_BREAKABLE_CUDAGRAPH and its kind change the engine's speed outside its arguments:
+    a choice measured without one is not reused with it. Unset, the key is the one stored before
+    the environment counted, so that earlier choices stay reused."""
+    from runner.fingerprint import ENGINE_ENVIRONMENT, calibration_key
+
+    for name in ENGINE_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    job = auto_job(make_job)
+    plain_key = calibration_key(job, ["a"])
+    assert "environment" not in plain_key["engine"]
+    clock, started, factory = harness()
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    first = calibration(job.database_path)["calibration_id"]
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # not an engine setting: not in the key
+    assert calibration_key(job, ["a"])["engine"]["environment"] == {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
+    started.clear()
+    run_job(job, engine_factory=factory, restart=True, clock=lambda: clock.now)
+    assert started[:2] == [0, 4] and "reused_calibration_id" not in calibration(job.database_path)
+
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")
+    assert calibration_key(job, ["a"]) == plain_key
+    started.clear()
+    run_job(job, engine_factory=factory, restart=True, clock=lambda: clock.now)
+    assert started == [4] and calibration(job.database_path)["reused_calibration_id"] == first
+
+
+def test_a_ray_jobs_replica_environment_counts_in_its_calibration_key(make_job, monkeypatch):
+    from runner.fingerprint import ENGINE_ENVIRONMENT, engine_environment
+
+    for name in ENGINE_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    local = load_job(make_job())
+    ray = load_job(make_job(job={"executor": "ray", "ray": {"env": {"TORCH_COMPILE_DISABLE": "0",
+                                                                    "VLLM_USE_V2_MODEL_RUNNER": "1"}}}))
+    assert engine_environment(local) == {"TORCH_COMPILE_DISABLE": "1"}
+    assert engine_environment(ray) == {"TORCH_COMPILE_DISABLE": "0", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
 def test_admission_waves_on_or_off_keep_the_stored_calibration(make_job):
     """Waves only pace when requests go in: the calibration key (and so a stored choice) is the same
     with them on or off, and with the setting left out, as in jobs written before it existed."""
