@@ -12,11 +12,13 @@
 # The leases that issue 11 waits for. (1) The 135M: the lease of 7e360a5 measured breakable
 # (VLLM_USE_BREAKABLE_CUDAGRAPH: piecewise graphs without torch.compile) 1.19x slower than the runner
 # in wall (its graph capture took 15 s), and bigbreakable (the same up to 2,048 tokens a step) faster
-# in generation in 2 of 3 rounds. biggraphs captures those sizes compiled (from the compile cache);
-# vllmgraphs is vLLM's own list. ~22 min:
+# in generation in 2 of 3 rounds. Two ways to graph the steps that prefill: biggraphs captures
+# sizes up to 2,048 compiled (from the compile cache), cap512 keeps every step within the GPU
+# config's 512 (max_num_batched_tokens; prefills spread over more steps). That lease took ~1,500 s
+# of device time for 16 runs (staging and install 140 s, warm-up ~5 min). ~25 min:
 #   WARMUP="invoices/tight/135m=plain,runner,biggraphs" BENCH_COMMIT=<commit> \
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1000 --cases \
-#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,biggraphs"
+#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,biggraphs,cap512"
 # Check a new configuration's outputs too (rows_valid, and errors in its results.sqlite), not only its speed.
 # (2) The 8B shape with the GPU config's 20 graph sizes (it runs up to 127 requests at once, where the
 # lists differ), vllmgraphs beside it (~4 min a round):

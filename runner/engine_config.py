@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, create_model, field_validator
 
 
 class Strict(BaseModel):
@@ -106,6 +106,17 @@ class EngineConfig(Strict):
         default=None, ge=1, description="requests kept queued in the engine; default 4 x max_num_seqs"
     )
     extra_args: dict[str, Any] = Field(default={}, description="other keyword arguments for vllm.LLM")
+
+    @field_validator("max_num_batched_tokens")
+    @classmethod
+    def _room_for_every_sequence(cls, tokens: Optional[int], info: ValidationInfo) -> Optional[int]:
+        """vLLM refuses fewer tokens a step than sequences (after its ~20 s import on a GPU host):
+        said here, at once, naming both settings."""
+        seqs = info.data.get("max_num_seqs")
+        if tokens is not None and seqs is not None and tokens < seqs:
+            raise ValueError(f"{tokens} is less than max_num_seqs ({seqs}), which vLLM refuses: raise it "
+                             "or lower max_num_seqs")
+        return tokens
 
     @field_validator("extra_args")
     @classmethod

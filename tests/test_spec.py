@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -75,6 +76,20 @@ def test_whole_step_graphs_of_steps_that_prefill_are_refused(make_job, mode):
     assert f"job.yaml: engine.extra_args: {refused}" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(SpecError, match=f"job.yaml: engine.extra_args: {refused}.*with --set"):
         load_job(make_job(), [f"engine.extra_args.compilation_config.cudagraph_mode={mode}"])
+
+
+def test_fewer_tokens_a_step_than_sequences_is_refused_where_it_was_set(make_job):
+    """vLLM refuses max_num_batched_tokens under max_num_seqs only once imported: the runner says so
+    at load, in the engine config, the job, or from --set."""
+    refused = "max_num_batched_tokens: Value error, 512 is less than max_num_seqs (1024)"
+    with pytest.raises(SpecError) as err:
+        load_job(make_job(engine={"max_num_seqs": 1024, "max_num_batched_tokens": 512}))
+    assert f"engine.yaml: {refused}" in str(err.value) and "\n" not in str(err.value)
+    path = make_job(engine={"max_num_seqs": 1024})
+    with pytest.raises(SpecError, match=re.escape(f"job.yaml: engine.{refused}") + ".*with --set"):
+        load_job(path, ["engine.max_num_batched_tokens=512"])
+    assert load_job(path, ["engine.max_num_batched_tokens=1024"]).engine.max_num_batched_tokens == 1024
+    assert load_job(path, ["engine.max_num_batched_tokens=512", "engine.max_num_seqs=512"]).engine.max_num_seqs == 512
 
 
 @pytest.mark.parametrize("compilation", [{"cudagraph_mode": "FULL_DECODE_ONLY"}, {"cudagraph_mode": "PIECEWISE"},
