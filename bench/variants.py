@@ -27,7 +27,9 @@ NO_COMPILE = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 # Measured at 7e360a5 (bench/results/2026-12-01-nvidia-h200-breakable.json): sound outputs, but its
 # capture took 15 s of LLM(...) against the compiled runner's 2 s; wall 1.16-1.19x the runner's.
 BREAKABLE = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
-VARIANT_ENV = {"breakable": BREAKABLE, "bigbreakable": BREAKABLE}
+# v1runner: vLLM 0.26 runs Llama models on its V2 model runner by default, which pins each step's
+# token masks anew (a profile of plain vLLM: 446 of 3,304 engine-core samples); V1 is the other.
+VARIANT_ENV = {"breakable": BREAKABLE, "bigbreakable": BREAKABLE, "v1runner": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
 
 
 @functools.lru_cache(maxsize=None)  # asked under the scheduler's lock
@@ -67,6 +69,7 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "cap1024": ({"max_num_batched_tokens": 1024, "cuda_graph_sizes": BIG_GRAPH_SIZES[:-3]}, {}),
         "breakable": ({}, {}),  # the GPU config, with VARIANT_ENV's
         "bigbreakable": ({"cuda_graph_sizes": BIG_GRAPH_SIZES}, {}),
+        "v1runner": ({}, {}),  # the GPU config, with VARIANT_ENV's
         "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),
