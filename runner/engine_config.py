@@ -62,7 +62,8 @@ class CalibrationSpec(Strict):
 
 class EngineConfig(Strict):
     model: str = Field(description="model folder (relative to the config file) or builtin:NAME")
-    dtype: str = "auto"
+    # vLLM's ModelDType (0.26, 0.32): anything else it refuses only once imported
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     load_format: Optional[str] = Field(default=None, description=(
         "vLLM's load_format; `dummy` starts the model with random weights from its config.json "
         "alone (benchmarks of a model's shape without its weights)"))

@@ -44,6 +44,7 @@ def test_real_sample_job_is_valid():
     (lambda s: s.update(name="has space"), "job.yaml: name: String should match pattern"),
     (lambda s: s["engine"].update(max_num_seq=4), "job.yaml: engine.max_num_seq: unknown key"),
     (lambda s: s["engine"].update(max_num_seqs=0), "job.yaml: engine.max_num_seqs: Input should be greater than or equal to 1"),
+    (lambda s: s["engine"].update(dtype="bf16"), "job.yaml: engine.dtype: Input should be 'auto', 'half', 'float16', 'bfloat16'"),
     (lambda s: s.update(output_schema="schemas/missing.json"), "job.yaml: output_schema: file not found"),
     (lambda s: s["engine"].update(config="configs/nope.yaml"), "nope.yaml: file not found"),
     (lambda s: s.update(prompts={"user_template": "{title}: {text}"}), "job.yaml: prompts.user_template: unknown field {title}"),
