@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, field_validator
 
 
 class Strict(BaseModel):
@@ -108,17 +108,6 @@ class EngineConfig(Strict):
     )
     extra_args: dict[str, Any] = Field(default={}, description="other keyword arguments for vllm.LLM")
 
-    @field_validator("max_num_batched_tokens")
-    @classmethod
-    def _room_for_every_sequence(cls, tokens: Optional[int], info: ValidationInfo) -> Optional[int]:
-        """vLLM refuses fewer tokens a step than sequences (after its ~20 s import on a GPU host):
-        said here, at once, naming both settings."""
-        seqs = info.data.get("max_num_seqs")
-        if tokens is not None and seqs is not None and tokens < seqs:
-            raise ValueError(f"{tokens} is less than max_num_seqs ({seqs}), which vLLM refuses: raise it "
-                             "or lower max_num_seqs")
-        return tokens
-
     @field_validator("extra_args")
     @classmethod
     def _no_graphs_of_mixed_steps(cls, extra: dict[str, Any]) -> dict[str, Any]:
@@ -148,6 +137,16 @@ class EngineConfig(Strict):
             return None
         sizes = sorted(set(self.cuda_graph_sizes))
         return [s for s in sizes if s <= 2 * self.max_num_seqs] or sizes[:1]
+
+    def step_refusal(self) -> Optional[str]:
+        """Why vLLM would refuse these settings' tokens a step (fewer than sequences: it says so only
+        once imported, ~20 s into a run on a GPU host), or None. Asked of the settings a job runs
+        with, not of a config file alone, which a job may complete; extra_args naming either
+        setting is left to vLLM."""
+        tokens, seqs = self.max_num_batched_tokens, self.max_num_seqs
+        if tokens is None or tokens >= seqs or {"max_num_batched_tokens", "max_num_seqs"} & set(self.extra_args):
+            return None
+        return f"{tokens} is less than max_num_seqs ({seqs}), which vLLM refuses: raise it or lower max_num_seqs"
 
     @property
     def needs_weights(self) -> bool:

@@ -80,11 +80,13 @@ ENGINE_ENVIRONMENT = ("VLLM_USE_BREAKABLE_CUDAGRAPH", "TORCH_COMPILE_DISABLE", "
 
 
 def engine_environment(job, environ: Optional[dict] = None) -> dict[str, str]:
-    """The ENGINE_ENVIRONMENT variables the job's engines run with: this process's, and for the
-    `ray` executor the job's `ray.env` over them (what its replicas get)."""
+    """The ENGINE_ENVIRONMENT variables the job's engines run with: this process's; for the `ray`
+    executor the job's `ray.env` over them (a local cluster's workers inherit this process's
+    environment), or `ray.env` alone on a cluster elsewhere (ray.address, RAY_ADDRESS)."""
     env = dict(os.environ if environ is None else environ)
     if job.spec.executor == "ray":
-        env |= job.spec.ray.env
+        remote = job.spec.ray.address or env.get("RAY_ADDRESS")
+        env = ({} if remote else env) | job.spec.ray.env
     return {k: env[k] for k in ENGINE_ENVIRONMENT if k in env}
 
 

@@ -177,13 +177,7 @@ _PROBE = ' \t"q\' \\ <a&b> é\n{x} '
 
 
 def builder_for(job) -> PromptBuilder:
-    """The PromptBuilder of a loaded job: its model, user template, few-shot turns and chat template.
-    Every command that reads the model folder comes here first: a max_model_len the model cannot
-    take stops it here too, before prompts are measured against that length."""
-    from runner.model_length import check_max_model_len
-
+    """The PromptBuilder of a loaded job: its model, user template, few-shot turns and chat template."""
     p = job.spec.prompts
-    builder = PromptBuilder(job.model_path, p.user_template, examples=[e.model_dump() for e in p.examples],
-                             chat_template=job.chat_template, chat_template_kwargs=p.chat_template_kwargs)
-    check_max_model_len(job)  # after the folder's own checks: a missing model is reported as such
-    return builder
+    return PromptBuilder(job.model_path, p.user_template, examples=[e.model_dump() for e in p.examples],
+                         chat_template=job.chat_template, chat_template_kwargs=p.chat_template_kwargs)

@@ -6,6 +6,7 @@ is loaded and checked. Every problem becomes one SpecError naming the file and t
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
@@ -212,6 +213,33 @@ def load_engine_config(path: Path, overrides: dict[str, Any], job_path: Path) ->
         raise SpecError(f"{job_path}: engine.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
+class _Where:
+    """`FILE: field` of where an engine setting of a job came from: the job (or --set), its engine
+    config file, or neither (vLLM's default, as the runner passes it)."""
+
+    def __init__(self, job_engine: dict[str, Any], engine: EngineConfig, cfg_path: Path, job_path: Path):
+        self.job_engine, self.engine, self.cfg_path, self.job_path = job_engine, engine, cfg_path, job_path
+
+    def __call__(self, field: str) -> str:
+        if field in self.job_engine:
+            return f"{self.job_path}: engine.{field}"
+        if field in self.engine.model_fields_set:
+            return f"{self.cfg_path}: {field}"
+        return f"{self.cfg_path}: {field} (not set: the default)"
+
+
+def _check_engine(engine: EngineConfig, model_path: Path, spec: "JobFile", where: _Where) -> None:
+    """Settings vLLM would refuse only once imported and starting, refused while loading instead."""
+    from runner.model_length import length_refusal
+
+    why = engine.step_refusal()
+    if why:
+        raise SpecError(f"{where('max_num_batched_tokens')}: {why}")
+    why = length_refusal(engine, model_path, os.environ | spec.ray.env)  # ray.env: what replicas get
+    if why:
+        raise SpecError(f"{where('max_model_len')}: {why}")
+
+
 def load_job(path: str | Path, overrides: Sequence[str] = ()) -> Job:
     """Load and validate a job file, its engine config and its output schema. `overrides` are
     KEY=VALUE settings from the command line (`engine.max_num_seqs=64`): they beat the job file,
@@ -244,6 +272,7 @@ def _load(shown: Path, raw: dict[str, Any]) -> Job:
     cfg_path = _resolve(base, overrides.pop("config"))
     engine = load_engine_config(cfg_path, overrides, shown)
     model_path = resolve_model(engine.model, cfg_path.parent)
+    _check_engine(engine, model_path, spec, _Where(overrides, engine, cfg_path, shown))
 
     return Job(
         path=job_path,

@@ -125,8 +125,10 @@ def verify_job(job: Job, *, rows: Optional[int] = None, engine_factory: Callable
             planned = rb.stream(plan_stream(docs, job.spec.plan_window_rows))
             built = list(itertools.islice((r for _, chunk in planned for r in chunk), rows or job.engine.verify.rows))
             plain = [None, None] if baseline else [None]
-            outputs = [_run(greedy, engine_factory, store, rb, built, s) for s in [*plain, *settings]]
+            # Before any engine starts, as `runner run` takes it: vLLM sets some of the environment
+            # the key reads (VLLM_USE_BREAKABLE_CUDAGRAPH for some models) while it starts.
             key = digest(calibration_key(job, scan.system_prompt_keys))
+            outputs = [_run(greedy, engine_factory, store, rb, built, s) for s in [*plain, *settings]]
             again = outputs[1] if baseline else None
             base = round(compare(outputs[0], again, [])[0], 4) if baseline else None
             return [_record(store, job, key, s, outputs[0], out, again, base)

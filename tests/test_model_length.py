@@ -46,7 +46,8 @@ CASES = {
                            None, None),
     "model_max_length in config": ({"model_max_length": 4096}, None, None),
     "nested text config": ({"text_config": {"max_position_embeddings": 4096}}, None, None),
-    "no length key": ({"max_position_embeddings": None}, None, None),
+    "no length key": ({"max_position_embeddings": None}, None, None),  # transformers' default: vLLM's to judge
+    "a nested config's length": ({"decoder": {"max_position_embeddings": 1024}}, None, None),
 }
 
 
@@ -84,10 +85,31 @@ def test_validate_names_the_config_file_or_the_job_where_the_length_was_set(make
     assert "engine.yaml: max_model_len: 1024 is more than the model takes (512: max_position_embeddings" in r.output
     r = CliRunner().invoke(cli, ["validate", "--set", "engine.max_model_len=600", str(path)])
     assert r.exit_code == 2 and "job.yaml: engine.max_model_len: 600 is more than the model takes (512" in r.output
+    assert r.output.rstrip().endswith("(with --set engine.max_model_len=600)")
     assert CliRunner().invoke(cli, ["validate", "--set", "engine.max_model_len=512", str(path)]).exit_code == 0
-    for allow in ("1", "True"):  # vLLM's own way past it
+    cfg = tmp_path / "configs" / "engine.yaml"
+    cfg.write_text(yaml.safe_dump({k: v for k, v in yaml.safe_load(cfg.read_text()).items() if k != "max_model_len"}))
+    r = CliRunner().invoke(cli, ["validate", str(path)])  # set nowhere: the runner's default, 2048
+    assert r.exit_code == 2 and "engine.yaml: max_model_len (not set: the default): 2048 is more" in r.output
+
+
+def test_vllms_own_ways_past_the_limit_pass(make_job, tmp_path, monkeypatch):
+    """VLLM_ALLOW_LONG_MAX_MODEL_LEN here or in ray.env (what replicas run with), and extra_args
+    that change the model's config or the length vLLM gets, leave the length to vLLM."""
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    path = with_limit(make_job, tmp_path, 512)
+    for allow in ("1", "True"):
         monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", allow)
-        assert CliRunner().invoke(cli, ["validate", str(path)]).exit_code == 0
+        assert load_job(path).engine.max_model_len == 1024
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    spec = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump(spec | {"executor": "ray", "ray": {"env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}}}))
+    assert load_job(path).engine.max_model_len == 1024
+    path.write_text(yaml.safe_dump(spec))
+    assert load_job(path, ["engine.extra_args.hf_overrides.max_position_embeddings=2048"]).engine.max_model_len == 1024
+    assert load_job(path, ["engine.extra_args.max_model_len=512"]).engine.extra_args == {"max_model_len": 512}
+    with pytest.raises(SpecError):
+        load_job(path, ["engine.extra_args.enforce_eager=true"])  # other extra_args: still checked
 
 
 def test_a_run_stops_before_it_writes_anything(make_job, tmp_path, monkeypatch):
@@ -95,12 +117,11 @@ def test_a_run_stops_before_it_writes_anything(make_job, tmp_path, monkeypatch):
     from tests.conftest import SCHEMA
 
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
-    job = load_job(with_limit(make_job, tmp_path, 512))
-    started = []
-    with pytest.raises(SpecError, match="max_model_len: 1024 is more than the model takes"):
-        run_job(job, engine_factory=lambda j: started.append(1) or FakeEngine(SCHEMA))
-    assert not started and not Path(job.database_path).exists()
-    job = load_job(job.path, ["engine.max_model_len=512"])
+    path = with_limit(make_job, tmp_path, 512)
+    r = CliRunner().invoke(cli, ["run", "--engine", "fake", str(path)])
+    assert r.exit_code == 2 and "max_model_len: 1024 is more than the model takes" in r.output
+    assert not (tmp_path / "out").exists()
+    job = load_job(path, ["engine.max_model_len=512"])
     run_job(job, engine_factory=lambda j: FakeEngine(SCHEMA))
     assert sqlite3.connect(job.database_path).execute("SELECT count(*) FROM results").fetchone()[0] == 12
 

@@ -81,8 +81,8 @@ def test_whole_step_graphs_of_steps_that_prefill_are_refused(make_job, mode):
 
 def test_fewer_tokens_a_step_than_sequences_is_refused_where_it_was_set(make_job):
     """vLLM refuses max_num_batched_tokens under max_num_seqs only once imported: the runner says so
-    at load, in the engine config, the job, or from --set."""
-    refused = "max_num_batched_tokens: Value error, 512 is less than max_num_seqs (1024)"
+    at load, of the settings the job runs with, naming where max_num_batched_tokens was set."""
+    refused = "max_num_batched_tokens: 512 is less than max_num_seqs (1024), which vLLM refuses"
     with pytest.raises(SpecError) as err:
         load_job(make_job(engine={"max_num_seqs": 1024, "max_num_batched_tokens": 512}))
     assert f"engine.yaml: {refused}" in str(err.value) and "\n" not in str(err.value)
@@ -91,6 +91,10 @@ def test_fewer_tokens_a_step_than_sequences_is_refused_where_it_was_set(make_job
         load_job(path, ["engine.max_num_batched_tokens=512"])
     assert load_job(path, ["engine.max_num_batched_tokens=1024"]).engine.max_num_batched_tokens == 1024
     assert load_job(path, ["engine.max_num_batched_tokens=512", "engine.max_num_seqs=512"]).engine.max_num_seqs == 512
+    # A config file may rely on its jobs to lower max_num_seqs; extra_args naming either is vLLM's to judge.
+    path = make_job(engine={"max_num_seqs": 1024, "max_num_batched_tokens": 512})
+    assert load_job(path, ["engine.max_num_seqs=256"]).engine.max_num_batched_tokens == 512
+    assert load_job(path, ["engine.extra_args.max_num_seqs=256"]).engine.extra_args == {"max_num_seqs": 256}
 
 
 @pytest.mark.parametrize("compilation", [{"cudagraph_mode": "FULL_DECODE_ONLY"}, {"cudagraph_mode": "PIECEWISE"},

@@ -64,6 +64,27 @@ def test_a_run_drops_a_setting_that_failed_verification_unless_told_not_to(make_
     assert started == [True]
 
 
+def test_a_failed_verification_binds_runs_where_vllm_sets_the_environment_while_it_starts(make_job, monkeypatch):
+    """vLLM sets VLLM_USE_BREAKABLE_CUDAGRAPH in the process for some models while it starts: verify
+    keys what it stores as a run will look it up, before any engine starts."""
+    from runner.fingerprint import ENGINE_ENVIRONMENT
+
+    for name in ENGINE_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    job = load_job(make_job(rows=10))
+    drifting = drifting_factory([])
+
+    def setting_env(j):
+        monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+        return drifting(j)
+
+    verify_job(job, rows=10, engine_factory=setting_env)
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")  # a new process: vLLM has not started yet
+    started, notes = [], []
+    run_job(job, engine_factory=drifting_factory(started), notify=notes.append)
+    assert started == [False] and "80.0% of greedy outputs unchanged" in notes[0]
+
+
 def test_auto_leaves_out_a_candidate_that_failed_verification(make_job):
     auto = {"speculative": "auto", "calibration": {"rows": 3, "candidates": [{"method": "ngram", "max_draft_tokens": 3,
                                                                           "options": {"prompt_lookup_max": 3}}]}}
