@@ -21,7 +21,7 @@ def _open_store(job, db, overrides=()):
     if job:
         from runner.spec import load_job
 
-        spec = load_job(job, overrides)
+        spec = load_job(job, overrides, check_engine=False)  # results only: no engine starts
         db, job_name = spec.database_path, spec.name
     if not db:
         raise SpecError("give --job JOB or --db DATABASE")
@@ -106,7 +106,7 @@ def status(job, overrides):
     from runner.fingerprint import changed_parts, result_fingerprint
     from runner.spec import load_job
 
-    spec = load_job(job, overrides)
+    spec = load_job(job, overrides, check_engine=False)  # results only: no engine starts
     store, _ = _open_store(job, None, overrides)
     current, components = result_fingerprint(spec)
     known = store.fingerprint_components(spec.name)

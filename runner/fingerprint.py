@@ -85,7 +85,7 @@ def engine_environment(job, environ: Optional[dict] = None) -> dict[str, str]:
     environment), or `ray.env` alone on a cluster elsewhere (ray.address, RAY_ADDRESS)."""
     env = dict(os.environ if environ is None else environ)
     if job.spec.executor == "ray":
-        remote = job.spec.ray.address or env.get("RAY_ADDRESS")
+        remote = (job.spec.ray.address or env.get("RAY_ADDRESS") or "local") != "local"
         env = ({} if remote else env) | job.spec.ray.env
     return {k: env[k] for k in ENGINE_ENVIRONMENT if k in env}
 

@@ -11,6 +11,7 @@ lower (tests/test_model_length.py), and so does this: a lower limit there is lef
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -50,9 +51,10 @@ def model_length_limit(model_dir: Path) -> Optional[tuple[int, str]]:
     """(longest max_model_len vLLM accepts, the config.json key it comes from) for a Hugging Face
     folder, or None where vLLM would accept any length or the folder does not say plainly."""
     cfg = _read(Path(model_dir) / "config.json")
-    if cfg is None or cfg.get("model_max_length") is not None or not _unscaled(cfg) or _nested(cfg):
+    if cfg is None or "text_config" in cfg or cfg.get("model_max_length") is not None or not _unscaled(cfg) \
+            or _nested(cfg):
         return None
-    found = [(cfg[k], k) for k in LENGTH_KEYS if type(cfg.get(k)) in (int, float)]
+    found = [(cfg[k], k) for k in LENGTH_KEYS if type(cfg.get(k)) in (int, float) and 0 < cfg[k] < math.inf]
     if not found:
         return None  # transformers' class default then (2048 for Llama): left to vLLM
     limit, key = min(found)

@@ -234,26 +234,29 @@ def _check_engine(engine: EngineConfig, model_path: Path, spec: "JobFile", where
 
     why = engine.step_refusal()
     if why:
-        raise SpecError(f"{where('max_num_batched_tokens')}: {why}")
+        seqs = where("max_num_seqs")
+        seqs_from = "" if seqs.split(":")[0] == where("max_num_batched_tokens").split(":")[0] else f" (max_num_seqs: {seqs})"
+        raise SpecError(f"{where('max_num_batched_tokens')}: {why}{seqs_from}")
     why = length_refusal(engine, model_path, os.environ | spec.ray.env)  # ray.env: what replicas get
     if why:
         raise SpecError(f"{where('max_model_len')}: {why}")
 
 
-def load_job(path: str | Path, overrides: Sequence[str] = ()) -> Job:
+def load_job(path: str | Path, overrides: Sequence[str] = (), check_engine: bool = True) -> Job:
     """Load and validate a job file, its engine config and its output schema. `overrides` are
     KEY=VALUE settings from the command line (`engine.max_num_seqs=64`): they beat the job file,
-    which beats the engine config file, which beats the defaults."""
+    which beats the engine config file, which beats the defaults. `check_engine=False` (commands
+    that only read results) skips what vLLM would refuse (the model's length, tokens a step)."""
     raw = apply_overrides(read_yaml(Path(path)), overrides)
     try:
-        return _load(Path(path), raw)
+        return _load(Path(path), raw, check_engine)
     except SpecError as exc:
         if not overrides:
             raise
         raise SpecError(f"{exc} (with --set {' --set '.join(overrides)})") from None
 
 
-def _load(shown: Path, raw: dict[str, Any]) -> Job:
+def _load(shown: Path, raw: dict[str, Any], check_engine: bool = True) -> Job:
     from runner.models import resolve_model
 
     job_path = shown.resolve()
@@ -272,7 +275,8 @@ def _load(shown: Path, raw: dict[str, Any]) -> Job:
     cfg_path = _resolve(base, overrides.pop("config"))
     engine = load_engine_config(cfg_path, overrides, shown)
     model_path = resolve_model(engine.model, cfg_path.parent)
-    _check_engine(engine, model_path, spec, _Where(overrides, engine, cfg_path, shown))
+    if check_engine:
+        _check_engine(engine, model_path, spec, _Where(overrides, engine, cfg_path, shown))
 
     return Job(
         path=job_path,

@@ -250,6 +250,8 @@ def test_a_ray_jobs_replica_environment_counts_in_its_calibration_key(make_job, 
     monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert engine_environment(ray)["VLLM_USE_FLASHINFER_SAMPLER"] == "1"  # a local cluster inherits it
+    monkeypatch.setenv("RAY_ADDRESS", "local")  # a local cluster all the same
+    assert engine_environment(ray)["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
     monkeypatch.setenv("RAY_ADDRESS", "ray://cluster:10001")  # replicas elsewhere get ray.env only
     assert engine_environment(ray) == {"TORCH_COMPILE_DISABLE": "0", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 

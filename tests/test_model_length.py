@@ -48,6 +48,9 @@ CASES = {
     "nested text config": ({"text_config": {"max_position_embeddings": 4096}}, None, None),
     "no length key": ({"max_position_embeddings": None}, None, None),  # transformers' default: vLLM's to judge
     "a nested config's length": ({"decoder": {"max_position_embeddings": 1024}}, None, None),
+    "a text config without a length": ({"text_config": {"model_type": "llama"}}, None, None),
+    "an infinite length": ({"n_positions": float("inf")}, None, 8192),
+    "no finite length": ({"max_position_embeddings": float("nan")}, None, None),
 }
 
 
@@ -110,6 +113,25 @@ def test_vllms_own_ways_past_the_limit_pass(make_job, tmp_path, monkeypatch):
     assert load_job(path, ["engine.extra_args.max_model_len=512"]).engine.extra_args == {"max_model_len": 512}
     with pytest.raises(SpecError):
         load_job(path, ["engine.extra_args.enforce_eager=true"])  # other extra_args: still checked
+
+
+def test_commands_that_only_read_results_still_open_the_job(make_job, tmp_path, monkeypatch):
+    """A job run where vLLM was let past the limit (or whose model changed since) is still shown
+    and exported from a plain shell: status, stats and export read results, and start no engine."""
+    from runner.engines.fake import FakeEngine
+    from tests.conftest import SCHEMA
+
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    path = with_limit(make_job, tmp_path, 512)
+    run_job(load_job(path), engine_factory=lambda j: FakeEngine(SCHEMA))
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    assert CliRunner().invoke(cli, ["validate", str(path)]).exit_code == 2
+    out = tmp_path / "rows.jsonl"
+    for args in (["status", str(path)], ["stats", "--job", str(path)],
+                 ["export", "--job", str(path), "--format", "jsonl", "-o", str(out)]):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 0, (args, r.output)
+    assert len(out.read_text().splitlines()) == 12
 
 
 def test_a_run_stops_before_it_writes_anything(make_job, tmp_path, monkeypatch):

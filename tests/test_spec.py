@@ -95,6 +95,11 @@ def test_fewer_tokens_a_step_than_sequences_is_refused_where_it_was_set(make_job
     path = make_job(engine={"max_num_seqs": 1024, "max_num_batched_tokens": 512})
     assert load_job(path, ["engine.max_num_seqs=256"]).engine.max_num_batched_tokens == 512
     assert load_job(path, ["engine.extra_args.max_num_seqs=256"]).engine.extra_args == {"max_num_seqs": 256}
+    # Raised by the job over the config's tokens: both places named.
+    path = make_job(engine={"max_num_seqs": 256, "max_num_batched_tokens": 512})
+    with pytest.raises(SpecError, match=r"engine.yaml: max_num_batched_tokens: 512 is less than max_num_seqs \(1024\)"
+                                        r".*\(max_num_seqs: .*job.yaml: engine.max_num_seqs\)"):
+        load_job(path, ["engine.max_num_seqs=1024"])
 
 
 @pytest.mark.parametrize("compilation", [{"cudagraph_mode": "FULL_DECODE_ONLY"}, {"cudagraph_mode": "PIECEWISE"},
