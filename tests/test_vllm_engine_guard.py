@@ -54,3 +54,59 @@ def test_of_vllms_own_modes_only_full_is_refused():
     refused = {m.name for m in modes if graphs_of_mixed_steps(types.SimpleNamespace(
         compilation_config=types.SimpleNamespace(cudagraph_mode=m)))}
     assert refused == {"FULL"} and {"FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"} <= {m.name for m in modes}
+
+
+def _sleeper() -> None:
+    import time
+
+    time.sleep(600)
+
+
+def test_an_engine_core_process_is_killed_and_waited_for():
+    """end_core_process: the core's process (here a stand-in child) is gone, reaped, when it
+    returns; an ended one and a core in this process (no processes) are left alone."""
+    import multiprocessing
+    import signal
+
+    from runner.engines.vllm_settings import end_core_process
+
+    core = multiprocessing.get_context("fork").Process(target=_sleeper, daemon=True)
+    done = multiprocessing.get_context("fork").Process(target=lambda: None)
+    core.start()
+    done.start()
+    done.join()
+
+    def llm(procs):
+        manager = types.SimpleNamespace(processes=procs)
+        client = types.SimpleNamespace(resources=types.SimpleNamespace(engine_manager=manager))
+        return types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=client))
+
+    try:
+        assert end_core_process(llm([core, done])) == 1
+        assert not core.is_alive() and core.exitcode == -signal.SIGKILL and done.exitcode == 0
+        assert end_core_process(llm([core])) == 0  # already ended
+        assert end_core_process(types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=object()))) == 0
+    finally:
+        if core.is_alive():
+            core.kill()
+
+
+@pytest.mark.vllm
+def test_closing_an_engine_whose_core_has_its_own_process_kills_it_and_another_starts(make_job):
+    """Against vLLM: close() has ended and reaped the core's process, vLLM's own shutdown completes
+    with its core already gone, and the next engine of a run starts and generates. (On this CPU
+    vLLM's SIGTERM wait runs out and kills the core too, so the exit code alone does not tell the
+    two apart: the test above does.)"""
+    import signal
+
+    from runner.engines import Request, build_engine
+    from runner.spec import load_job
+
+    job = load_job(make_job(rows=2, engine={"in_process": False, "speculative": None}))
+    for _ in range(2):
+        engine = build_engine(job)
+        procs = list(engine.llm.llm_engine.engine_core.resources.engine_manager.processes)
+        request = Request(row_id="r0", group_key="g", prompt_token_ids=[1, 2, 3], max_tokens=2)
+        assert len(list(engine.generate([request]))) == 1
+        engine.close()
+        assert procs and all(not p.is_alive() and p.exitcode == -signal.SIGKILL for p in procs)
