@@ -16,9 +16,8 @@ from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
 from runner.engines.feed import Admitted, Feed
-from runner.engines.vllm_settings import (core_in_this_process, end_core_process, engine_counters, gauge,
-                                          graphs_of_mixed_steps, llm_kwargs, offline_environment, resolve_grammar,
-                                          sampling_params)
+from runner.engines.vllm_settings import (core_in_this_process, engine_counters, gauge, graphs_of_mixed_steps,
+                                          llm_kwargs, offline_environment, resolve_grammar, sampling_params)
 from runner.errors import EngineError, ModelError, RunnerError
 from runner.models import is_model_dir
 from runner.spec import SamplingSpec
@@ -270,8 +269,9 @@ class VllmEngine(Engine):
     def let_go(self) -> None:
         """An engine core in this process with no worker processes (`in_process`, one device) ends
         with the process, so it is only held until os._exit: its teardown took 1.1 s on this
-        project's CPU. One in a process of its own is ended and waited for, as close() does: not
-        waited for, it would hold the GPU and the caller's output pipes past the runner's exit."""
+        project's CPU. One in a process of its own is shut down and waited for, as close() does:
+        not waited for, it would hold the GPU and the caller's output pipes past the runner's exit,
+        with nothing to kill it if its teardown hung."""
         if self.cfg.tensor_parallel_size == 1 and core_in_this_process(getattr(self, "llm", None)):
             _LET_GO.append(self)  # dropping the last reference would tear the core down now
         else:
@@ -281,10 +281,7 @@ class VllmEngine(Engine):
         llm = getattr(self, "llm", None)
         if llm is not None:
             # LLM has no public shutdown: the engine core's stops its process (or threads) now,
-            # instead of at interpreter exit, so that the next engine of the run can start. A core
-            # process with no workers is killed first (end_core_process: seconds of teardown).
-            if self.cfg.tensor_parallel_size == 1:
-                end_core_process(llm)
+            # instead of at interpreter exit, so that the next engine of the run can start.
             shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
             if callable(shutdown):
                 shutdown()

@@ -170,27 +170,6 @@ def core_in_this_process(llm) -> bool:
     return type(core).__name__ == "InprocClient"
 
 
-def end_core_process(llm, timeout_s: float = 60.0) -> int:
-    """Kill the engine-core process of an LLM whose core runs in a process of its own, and wait
-    until it is gone; vLLM's shutdown then finds it ended. Only for a core with no worker
-    processes of its own (one device: the caller checks), which killing would leave running. The
-    core holds nothing of a job (results are the runner's), and its graceful teardown took 5.0 s
-    on this project's CPU (vLLM's SIGTERM wait ran out and it killed the core anyway) against
-    0.05 s killed; plain vLLM's took 1.2 s on an H200. Waiting for the exit means the kernel has
-    released the core's memory, GPU memory included, before the next engine starts or the runner
-    exits. Returns how many processes were ended (0: none found, as with a core in this process)."""
-    import signal
-
-    resources = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "resources", None)
-    ended = 0
-    for proc in getattr(getattr(resources, "engine_manager", None), "processes", None) or []:
-        if callable(getattr(proc, "is_alive", None)) and proc.is_alive() and proc.pid:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.join(timeout_s)
-            ended += 1
-    return ended
-
-
 def gauge(metrics: list, name: str) -> Optional[float]:
     """The value of one of vLLM's gauges in LLM.get_metrics(), or None where it is not reported."""
     value = next((getattr(m, "value", None) for m in metrics if m.name == name), None)
