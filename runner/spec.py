@@ -220,6 +220,10 @@ class _Where:
     def __init__(self, job_engine: dict[str, Any], engine: EngineConfig, cfg_path: Path, job_path: Path):
         self.job_engine, self.engine, self.cfg_path, self.job_path = job_engine, engine, cfg_path, job_path
 
+    def file(self, field: str) -> Path:
+        """The job file where it sets the field, else the engine config file (also for a default)."""
+        return self.job_path if field in self.job_engine else self.cfg_path
+
     def __call__(self, field: str) -> str:
         if field in self.job_engine:
             return f"{self.job_path}: engine.{field}"
@@ -234,8 +238,8 @@ def _check_engine(engine: EngineConfig, model_path: Path, spec: "JobFile", where
 
     why = engine.step_refusal()
     if why:
-        seqs = where("max_num_seqs")
-        seqs_from = "" if seqs.split(":")[0] == where("max_num_batched_tokens").split(":")[0] else f" (max_num_seqs: {seqs})"
+        same_file = where.file("max_num_seqs") == where.file("max_num_batched_tokens")
+        seqs_from = "" if same_file else f" (max_num_seqs: {where('max_num_seqs')})"
         raise SpecError(f"{where('max_num_batched_tokens')}: {why}{seqs_from}")
     why = length_refusal(engine, model_path, os.environ | spec.ray.env)  # ray.env: what replicas get
     if why:
