@@ -9,25 +9,26 @@
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
-# The leases that issue 11 waits for. (1) The 135M: the lease of 7e360a5 measured breakable
-# (VLLM_USE_BREAKABLE_CUDAGRAPH: piecewise graphs without torch.compile) 1.19x slower than the runner
-# in wall (its graph capture took 15 s), and bigbreakable (the same up to 2,048 tokens a step) faster
-# in generation in 2 of 3 rounds. Two ways to graph the steps that prefill: biggraphs captures
-# sizes up to 2,048 compiled (from the compile cache), cap512 keeps every step within the GPU
-# config's 512 (max_num_batched_tokens; prefills spread over more steps). That lease took ~1,500 s
-# of device time for 16 runs (staging and install 140 s, warm-up ~5 min). ~25 min:
-#   WARMUP="invoices/tight/135m=plain,runner,biggraphs" BENCH_COMMIT=<commit> \
+# The leases that issue 11 waits for. (1) The 135M: the lease of e10c990
+# (bench/results/2026-12-01-nvidia-h200-cap512.json) measured cap512 (every step within the captured
+# graphs) 1.04-1.05x the runner in generation in all 3 rounds, wall within the import's spread;
+# v1runner gained nothing consistent. Before cap512 ships, its cost where prefills are large: the
+# roomy regime and the 8B shape; biggraphs (compiled graphs up to 2,048 tokens a step) is the other
+# way to graph the steps that prefill. That lease took ~1,430 s of device time for 16 runs (staging
+# and install 150 s, warm-up of four configurations ~5 min). ~25 min:
+#   WARMUP="invoices/roomy/135m=plain,runner,cap512;invoices/tight/135m=biggraphs" BENCH_COMMIT=<commit> \
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1000 --cases \
-#     "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,biggraphs,cap512"
+#     "invoices/roomy/135m=plain,runner,cap512;invoices/tight/135m=runner,cap512,biggraphs"
 # Check a new configuration's outputs too (rows_valid, and errors in its results.sqlite), not only its speed.
 # (2) The 8B shape with the GPU config's 20 graph sizes (it runs up to 127 requests at once, where the
-# lists differ), vllmgraphs beside it (~4 min a round):
-#   WARMUP="invoices/tight/8b=plain,runner,vllmgraphs" bash bench/gpu.sh start --multi "" --repeats 3 \
-#     --deadline-s 1000 --cases "invoices/tight/8b=sorted,runner,vllmgraphs"
+# lists differ), vllmgraphs and cap512 beside it (~5 min a round):
+#   WARMUP="invoices/tight/8b=plain,runner,vllmgraphs,cap512" bash bench/gpu.sh start --multi "" --repeats 3 \
+#     --deadline-s 1000 --cases "invoices/tight/8b=sorted,runner,vllmgraphs,cap512"
 # A machine left idle for 30 s is gone with everything on it (62855f5 lost its round 3 that way):
 # chain the polls with nothing between them, and copy what a later look needs (a run's
 # results.sqlite) to $OUT inside a polling call.
-# .gpu/setup.sh is git-ignored: carry it (with the part) in every staging and install call.
+# .gpu/setup.sh is git-ignored: carry it (with the part) in every staging and install call. A call
+# carries at most 64 MiB with the working tree (~2 MB): the parts are 54 MiB each (p0-p6).
 # The device keeps a machine only 30 s after a call: poll with back-to-back `wait 290` calls.
 # Staging takes ~1 min of device time, `install` ~1.5 min; a fresh machine's first vLLM start takes
 # ~3 min even eager, so a one-off check needs ~6 min of device time, not 3.
