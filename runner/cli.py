@@ -13,6 +13,7 @@ import click
 
 from runner import __version__
 from runner.cli_output import one_line, run_summary, say, table, warn
+from runner.engines.scratch import remove_scratch
 from runner.errors import OutputClosed, RunnerError
 
 
@@ -158,6 +159,7 @@ def _exit_now(executor: str, code: int = 0) -> None:
         import ray
 
         ray.shutdown()
+    remove_scratch()  # os._exit runs no atexit handler
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

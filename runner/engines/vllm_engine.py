@@ -16,6 +16,7 @@ from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
 from runner.engines.feed import Admitted, Feed
+from runner.engines.scratch import vllm_files_here
 from runner.engines.vllm_settings import (core_in_this_process, engine_counters, gauge, graphs_of_mixed_steps,
                                           llm_kwargs, offline_environment, resolve_grammar, sampling_params)
 from runner.errors import EngineError, ModelError, RunnerError
@@ -53,7 +54,8 @@ class VllmEngine(Engine):
         kw = llm_kwargs(cfg, model_path, sampling.seed)
         t1 = time.perf_counter()  # vLLM imported (the preload thread may have done most of it), settings built
         try:
-            self.llm = LLM(**kw)
+            with vllm_files_here():  # its sockets and file store, removed when the process ends
+                self.llm = LLM(**kw)
         except RunnerError:  # the runner's own interrupt (SIGTERM) arrived while vLLM started
             raise
         except Exception as exc:  # vLLM raises many types while starting
