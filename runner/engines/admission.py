@@ -5,28 +5,26 @@ recomputes) one when decoding runs out: under a tight cache that eats the throug
 admits a request only while the blocks admitted requests will need (unshared prompt plus output)
 fit, and shrinks that budget whenever vLLM still reports a preemption.
 
-Two tests, cheap first: the sum of every request's peak fits (always true with a roomy cache);
-else the projected peak fits; vLLM's own usage corrects the count where it runs high (kv_feedback.py).
-Requests admitted earlier finish earlier, so the cache never holds every request at its peak at
-once: the projection walks forward assuming one output token a step (speculation turns it off),
-each request's length drawn from the recent finished outputs given how far it already ran; the
-expected blocks plus two standard deviations of their sum must fit (a margin on the sum: a 90th
-percentile per request made every request plan for max_tokens where a few rows loop;
-bench/results/2026-11-30-cpu-2core-admission-sim-sum.json). Rows of one group often run about as
-long as each other: their deviations count as correlated at 0.1 (fully correlated cost 10-18% more
-steps in the simulator where lengths were independent; 0.1 costs ~1% there and cut preemptions by
-40-60% where whole groups ran to max_tokens: bench/results/2026-11-30-cpu-2core-admission-sim-review.json).
+Two tests, cheap first: the sum of every request's peak fits (always, with a roomy cache); else the
+projected peak fits (vLLM's own usage corrects the count where it runs high: kv_feedback.py).
+Requests admitted earlier finish earlier: the projection walks forward one output token a step
+(speculation turns it off), each request's length drawn from the recent finished outputs given how
+far it ran; the expected blocks plus two standard deviations of their sum must fit (a 90th
+percentile per request made every one plan for max_tokens where a few rows loop:
+bench/results/2026-11-30-cpu-2core-admission-sim-sum.json). Rows of one group run about as long as
+each other: their deviations correlate at 0.1 (fully: 10-18% more steps in the simulator where
+lengths were independent; 0.1 cost ~1% there and cut preemptions by 40-60% where whole groups ran
+to max_tokens: bench/results/2026-11-30-cpu-2core-admission-sim-review.json).
 
 A preemption shrinks the budget by 15%, down to 70% of the cache; it grows back by 1% every 16
 steps without one (a budget that only shrank ran up to 9x slower than plain vLLM in the simulator).
 
 Pacing: requests admitted together finish together when their outputs are about as long (bounded
-fields; a model that always runs to max_tokens) and hold their peaks at once, so the projection
-would admit convoys sized by peaks. Where the cache binds (it cannot hold max_num_seqs requests at
-their peaks), admissions are spread out at the rate that keeps it full in a steady state: room /
-(mean blocks a request holds) / (mean output length) per step, from a small bucket that holds at
-most one admission while the fit tests refuse (else the admissions saved up while a wave held the
-cache would go in together as the next wave).
+fields; a model that always runs to max_tokens) and hold their peaks at once: the projection would
+admit convoys sized by peaks. Where the cache binds (it cannot hold max_num_seqs requests at their
+peaks), admissions go at the rate that keeps it full in a steady state, room / (mean blocks a
+request holds) / (mean output length) a step, from a bucket that holds at most one admission while
+the fit tests refuse (else those saved up while a wave held the cache would go in as the next wave).
 """
 from __future__ import annotations
 
@@ -40,7 +38,6 @@ import numpy as np
 from runner.engines.base import Request
 from runner.engines.kv_feedback import UsageFeedback
 from runner.engines.output_lengths import OutputLengths
-
 
 MARGIN_SD = 2.0  # the projection's margin, in standard deviations of the blocks held (see above)
 GROUP_CORRELATION = 0.1  # between the length deviations of rows of one group (see above)
