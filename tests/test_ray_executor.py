@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -89,10 +92,12 @@ def test_resume_through_replicas_runs_only_what_is_missing(make_job, tmp_path):
     assert sorted(r.row_id for e in replicas.engines for r in e.seen) == [f"r{i:03d}" for i in range(12, 16)]
 
 
-def run_bounded(args, timeout_s=600):
-    """Run the CLI in its own process group; kill the whole group (Ray's helpers too) on timeout."""
+def run_bounded(args, timeout_s=600, tmpdir=None):
+    """Run the CLI in its own process group (with TMPDIR=tmpdir if given); kill the whole group
+    (Ray's helpers too) on timeout."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled") | ({"TMPDIR": str(tmpdir)} if tmpdir else {})
     proc = subprocess.Popen(runner_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+                            start_new_session=True, env=env)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -119,9 +124,16 @@ def test_ray_executor_results_equal_the_local_executor(make_job, tmp_path):
 
     rc, _, err = run_bounded(["run", "--quiet", job])
     assert rc == 0, err[-2000:]
-    rc, out, err = run_bounded(["run", "--executor", "ray", ray_job])
-    assert rc == 0, err[-3000:]
-    assert "Results:" in out
+    tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # short: vLLM's and Ray's socket paths must fit 107 bytes
+    try:
+        rc, out, err = run_bounded(["run", "--executor", "ray", ray_job], tmpdir=tmp)
+        assert rc == 0, err[-3000:]
+        assert "Results:" in out
+        # The replica's actor is killed (no atexit handler): vLLM's files went with its engine; Ray
+        # keeps its session folder.
+        assert [p.name for p in tmp.iterdir()] == [f"runner-ray-{os.getuid()}"]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
     local = dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, extraction_json FROM results"))
     con = sqlite3.connect(tmp_path / "out" / "ray.sqlite")

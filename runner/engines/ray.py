@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, Optional
 
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
+from runner.engines.scratch import remove_scratch
 from runner.errors import EngineError
 
 _INIT_LOCK = threading.Lock()
@@ -83,8 +84,12 @@ class EngineReplica:
     def adaptation(self) -> dict:
         return self.engine.adaptation()
 
-    def close(self) -> None:
+    def close(self, process_ends: bool = False) -> None:
+        """Shut the engine down; process_ends: the actor's process is killed next, which runs no
+        atexit handler, so vLLM's files go now (runner/engines/scratch.py)."""
         self.engine.close()
+        if process_ends:
+            remove_scratch()
 
 
 class GroupRouter:
@@ -134,7 +139,7 @@ class RayCluster:
         calls = []
         for r in replicas:
             try:
-                calls.append(r.close.remote())
+                calls.append(r.close.remote(True))
             except Exception:  # the replica may already be gone; killing it below is enough
                 pass
         try:

