@@ -13,7 +13,7 @@ import click
 
 from runner import __version__
 from runner.cli_output import one_line, run_summary, say, table, warn
-from runner.engines.scratch import remove_scratch
+from runner.scratch import remove_scratch
 from runner.errors import OutputClosed, RunnerError
 
 

