@@ -16,11 +16,11 @@ from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
 from runner.engines.feed import Admitted, Feed
-from runner.scratch import vllm_files_here
 from runner.engines.vllm_settings import (core_in_this_process, engine_counters, gauge, graphs_of_mixed_steps,
                                           llm_kwargs, offline_environment, resolve_grammar, sampling_params)
 from runner.errors import EngineError, ModelError, RunnerError
 from runner.models import is_model_dir
+from runner.scratch import vllm_files_here
 from runner.spec import SamplingSpec
 
 # How often vLLM's engine-wide preemption counter is read (a metrics scan); per-request preemption
