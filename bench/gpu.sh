@@ -45,6 +45,7 @@ machine() {  # what the results files name the machine by
 }
 case "$1" in
 start)
+  # WARMUP_LOG=DEBUG gives the warm-up's engines vLLM's debug log (the measured rounds keep INFO).
   # WARMUP="invoices/tight/135m=plain;invoices/tight/8b=plain" first runs those cases once on 16
   # rows (each model's first torch.compile and kernel JIT, ~1-3 min), so that every measured round
   # is warm; its results go to /tmp/warmup.json. --deadline-s counts from the measured rounds' start.
@@ -62,8 +63,8 @@ start)
       python3 -X importtime -c "import vllm; from vllm import LLM, SamplingParams" 2> /tmp/importtime.txt
     fi
     if [ -n "$WARMUP" ]; then
-      python3 "$BENCH" --model /tmp/smollm2 --machine "$MACHINE" --multi "" --repeats 1 --docs 16 \
-        --cases "$WARMUP" --out /tmp/warmup.json --workdir /tmp/rb > /tmp/warmup.log 2>&1
+      BENCH_VLLM_LOG="${WARMUP_LOG:-INFO}" python3 "$BENCH" --model /tmp/smollm2 --machine "$MACHINE" --multi "" --repeats 1 --docs 16 \
+        --cases "$WARMUP" --out /tmp/warmup.json --workdir /tmp/rbw > /tmp/warmup.log 2>&1
       # The compile caches stay warm; the grammar choice goes, so that the first measured run makes
       # it, as the first run of a job on a machine does.
       rm -rf "$RUNNER_CACHE/grammar"
@@ -89,5 +90,7 @@ wait)
   # Every run's engine core is shut down and waited for: nothing may still hold the GPU.
   echo "GPU processes now: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
   grep -hE "doc/s|ERROR|Error|failed|runs planned|Traceback" /tmp/bench.log /tmp/bench-*.log 2>/dev/null | tail -40
-  cp /tmp/e2e*.json /tmp/bench*.log /tmp/warmup.json /tmp/warmup.log /tmp/importtime.txt "$OUT"/ 2>/dev/null ;;
+  cp /tmp/e2e*.json /tmp/bench*.log /tmp/warmup.json /tmp/warmup.log /tmp/importtime.txt "$OUT"/ 2>/dev/null
+  # every run's own logs (vLLM's engine log among them), for what the results' excerpts leave out
+  (cd /tmp && tar czf "$OUT/run-logs.tgz" --exclude='*.sqlite' --exclude='*.sqlite-*' --exclude='*.jsonl' --exclude='*.parquet' rb*/runs 2>/dev/null) ;;
 esac
