@@ -45,7 +45,9 @@ machine() {  # what the results files name the machine by
 }
 case "$1" in
 start)
-  # WARMUP_LOG=DEBUG gives the warm-up's engines vLLM's debug log (the measured rounds keep INFO).
+  # The warm-up must log as the measured runs do: vLLM 0.26 (torch < 2.12) turns inductor's asserts
+  # on at VLLM_LOGGING_LEVEL=DEBUG, another compile-cache key, so a DEBUG warm-up warms nothing (the
+  # lease of e916717 tried it: each configuration's first measured run compiled, ~22 s).
   # WARMUP="invoices/tight/135m=plain;invoices/tight/8b=plain" first runs those cases once on 16
   # rows (each model's first torch.compile and kernel JIT, ~1-3 min), so that every measured round
   # is warm; its results go to /tmp/warmup.json. --deadline-s counts from the measured rounds' start.
@@ -63,7 +65,7 @@ start)
       python3 -X importtime -c "import vllm; from vllm import LLM, SamplingParams" 2> /tmp/importtime.txt
     fi
     if [ -n "$WARMUP" ]; then
-      BENCH_VLLM_LOG="${WARMUP_LOG:-INFO}" python3 "$BENCH" --model /tmp/smollm2 --machine "$MACHINE" --multi "" --repeats 1 --docs 16 \
+      python3 "$BENCH" --model /tmp/smollm2 --machine "$MACHINE" --multi "" --repeats 1 --docs 16 \
         --cases "$WARMUP" --out /tmp/warmup.json --workdir /tmp/rbw > /tmp/warmup.log 2>&1
       # The compile caches stay warm; the grammar choice goes, so that the first measured run makes
       # it, as the first run of a job on a machine does.

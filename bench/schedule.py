@@ -64,8 +64,7 @@ class Schedule:
         return started
 
     def work(self, t: Task, ids: list[str]) -> None:
-        # BENCH_VLLM_LOG=DEBUG (gpu.sh's warm-up) shows what an engine's start spends between its INFO lines
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(ids), VLLM_LOGGING_LEVEL=os.environ.get("BENCH_VLLM_LOG", "INFO"),
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(ids), VLLM_LOGGING_LEVEL="INFO",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         try:
             t.result = execute(self.a, t, self.seeds, env)
