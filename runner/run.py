@@ -45,6 +45,7 @@ class RunOptions:
     verify_gate: bool = True  # a speculative setting whose stored verification failed is not used
     exits_after: bool = False  # the caller ends the process after a completed run (the CLI): see Engine.let_go
     clock: Callable[[], float] = time.perf_counter
+    started_at: Optional[float] = None  # clock() when the command began (the CLI: the process's start)
 
 
 @dataclass
@@ -150,7 +151,7 @@ def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Stor
         ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
         engines = EngineSequence(engine_factory, clock=opts.clock, let_go_last=opts.exits_after,
                                  on_start=lambda info: store.set_engine(run_id, info.backend, info.version, info.settings))
-        return _execute(job, store, run_id, engines, builder, work, opts.progress_factory, ctx)
+        return _execute(job, store, run_id, engines, builder, work, opts.progress_factory, ctx, opts.started_at)
     except BaseException as exc:
         status = "interrupted" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else "failed"
         store.finish_run(run_id, status, error=str(exc) or exc.__class__.__name__)
@@ -193,9 +194,10 @@ def _work(store: Store, job: Job, scan: InputScan, retry_failed: bool) -> Work:
 
 
 def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, builder: PromptBuilder, work: Work,
-             progress_factory, ctx: CalibrationContext) -> RunSummary:
+             progress_factory, ctx: CalibrationContext, started_at: Optional[float]) -> RunSummary:
     clock = engines.clock
-    t_start = clock()
+    t_run = clock()
+    t_start = t_run if started_at is None else min(started_at, t_run)  # the wall counts what came before too
     progress = progress_factory(work.todo) if progress_factory else None
     collector = ResultCollector(job, store, run_id, RequestBuilder(job, builder), progress, work.fingerprint,
                                 clock=clock)
@@ -219,7 +221,7 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
     stats.engine_choice_json = json.dumps({"speculative_calibration": choice, "engines": engines.adaptations,
                                            "engine_starts_s": [round(x, 3) for x in engines.starts],
                                            "runner_loop": collector.times(), "notes": work.notes,
-                                           "grammar": work.grammar,
+                                           "grammar": work.grammar, "before_run_s": round(t_run - t_start, 3),
                                            "spec_acceptance_by_position": _by_position(engines.used)})
     store.finish_run(run_id, "completed", stats=stats)
     return RunSummary(run_id, str(job.database_path), 0, 0, dict(collector.counts), stats.as_dict())
