@@ -12,7 +12,8 @@
 # The leases that issue 11 waits for. (1) The 135M: the lease of e10c990
 # (bench/results/2026-12-01-nvidia-h200-cap512.json) measured cap512 (every step within the captured
 # graphs) 1.04-1.05x the runner in generation in all 3 rounds, wall within the import's spread;
-# v1runner gained nothing consistent. Before cap512 ships, its cost where prefills are large: the
+# v1runner gained nothing consistent; the lease of e916717 had one warm round of biggraphs and cap512
+# (its warm-up warmed nothing: bench/results/2026-12-01-nvidia-h200-coldwarmup.json). Before cap512 ships, its cost where prefills are large: the
 # roomy regime and the 8B shape; biggraphs (compiled graphs up to 2,048 tokens a step) is the other
 # way to graph the steps that prefill. That lease took ~1,430 s of device time for 16 runs (staging
 # and install 150 s, warm-up of four configurations ~5 min). ~25 min:
