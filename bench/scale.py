@@ -101,7 +101,7 @@ def measure(rows: int, a) -> dict:
     size = sum(f.stat().st_size for f in work.glob("results.sqlite*"))
     return {
         "rows": rows, "rows_stored": stored,
-        "run": run | {"rows_per_s": round(rows / run["wall_s"], 1), "in_run_wall_s": stats[0],
+        "run": run | {"rows_per_s": round(rows / run["wall_s"], 1), "stored_wall_s": stats[0],
                       "sqlite_rows_per_s": round(rows / loop["store_s"], 1) if loop.get("store_s") else None,
                       "time_s": loop, "database_mb": round(size / 2**20, 1)},
         "plan": plan | {"rows_per_s": round(rows / plan["wall_s"], 1)},

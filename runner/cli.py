@@ -8,13 +8,12 @@ import functools
 import importlib
 import os
 import sys
-import time
 
 import click
 
 from runner import __version__
 from runner.cli_output import one_line, run_summary, say, table, warn
-from runner.process_clock import process_started
+from runner.process_clock import note_process_start, take_start
 from runner.scratch import remove_scratch
 from runner.errors import OutputClosed, RunnerError
 
@@ -132,7 +131,7 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
             spec, engine_factory=lambda j: build_engine(j, engine), restart=restart, wait=wait,
             progress_factory=_progress(spec, quiet), recalibrate=recalibrate, retry_failed=retry_failed,
             verify_gate=not no_verify, exits_after=True,  # main() ends the process once the run completed
-            started_at=_process.get("started_at", time.perf_counter()),  # the stored wall is the user's
+            started=take_start(),  # the stored wall is the user's: from the process's start
             notify=None if quiet else (lambda msg: warn(f"Note: {msg}")), log_path=str(log) if log else None,
             # Ray imports vLLM in its replicas, not here
             on_input_ok=(lambda: preload(spec, engine)) if spec.spec.executor == "local" else None)
@@ -150,7 +149,6 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
 
 
 _finished_run: dict = {}  # set when `runner run` completed: main() may then exit at once
-_process: dict = {}  # main(): when the process started; a run's stored wall counts from there
 
 
 def _exit_now(executor: str, code: int = 0) -> None:
@@ -284,7 +282,7 @@ for _module in ("runner.cli_results", "runner.cli_speculation"):  # register the
 
 
 def main():  # console-script entry point; the guard matters for vLLM's spawned workers
-    _process.setdefault("started_at", process_started())
+    note_process_start()
     try:
         cli()
     except SystemExit as exc:

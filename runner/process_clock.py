@@ -1,16 +1,17 @@
-"""How long this process has run. `runner run` stores its wall time from the moment the process
-started, as the user's clock counts it, not from when generation's bookkeeping began: reading the
-input, checking the database and measuring the grammar backend come first (18-20 s of a first run
-on the H200 host, outside the stored wall until the lease of e916717 showed it)."""
+"""When a command began, for the wall time a run stores: the user's clock starts when the process
+does, before the runner reads its input or measures anything."""
 from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from typing import Optional
+
+_start: dict = {}  # the entry point's reading, taken by the first command that asks
 
 
 def process_age_s(stat: str = "/proc/self/stat", uptime: str = "/proc/uptime") -> float:
-    """Seconds since this process started (Linux's /proc, to the clock tick); 0.0 where unknown."""
+    """Seconds since this process was created (fork, so a wrapper's exec into it counts from the
+    wrapper's fork), from Linux's /proc to the clock tick; 0.0 where unknown (another OS)."""
     try:
         with open(stat, "rb") as f:
             raw = f.read()
@@ -23,6 +24,18 @@ def process_age_s(stat: str = "/proc/self/stat", uptime: str = "/proc/uptime") -
         return 0.0
 
 
-def process_started(clock: Callable[[], float] = time.perf_counter) -> float:
-    """The reading of `clock` at which this process started."""
-    return clock() - process_age_s()
+def note_process_start() -> None:
+    """At the entry point, once a process: when it started, on time.perf_counter's scale."""
+    if "noted" not in _start:
+        age = process_age_s()
+        _start.update(noted=True, at=time.perf_counter() - age, source="process" if age > 0 else "command")
+
+
+def take_start() -> tuple[float, str]:
+    """(when the command began, where that was read): the process's start for the first command
+    of a process whose entry point noted it, else now ("command"). Later commands run in the same
+    process (tests calling the entry point) count from their own start."""
+    at: Optional[float] = _start.pop("at", None)
+    if at is None:
+        return time.perf_counter(), "command"
+    return at, _start.pop("source")

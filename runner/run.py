@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional
 
 from runner.collect import Progress, ResultCollector
@@ -45,7 +45,9 @@ class RunOptions:
     verify_gate: bool = True  # a speculative setting whose stored verification failed is not used
     exits_after: bool = False  # the caller ends the process after a completed run (the CLI): see Engine.let_go
     clock: Callable[[], float] = time.perf_counter
-    started_at: Optional[float] = None  # clock() when the command began (the CLI: the process's start)
+    # (clock() when the command began, where it was read: "process" for the CLI); None: the call
+    started: Optional[tuple[float, str]] = None
+    lock_wait_s: float = 0.0  # set by the run: how long it waited for another run of the job (--wait)
 
 
 @dataclass
@@ -99,7 +101,11 @@ def _run(job: Job, engine_factory: Callable[[Job], Engine], opts: RunOptions) ->
     scan = LocalReader(job.input_path, job.spec.input).scan(keep_ids=True)  # the driver checks its input
     try:
         builder = builder_for(job)
+        t_lock = opts.clock()
         with JobLock(job.database_path, job.name, wait=opts.wait):
+            waited = opts.clock() - t_lock  # waiting for another run of the job (--wait) is not this run's time
+            started = None if opts.started is None else (opts.started[0] + waited, opts.started[1])
+            opts = replace(opts, started=started, lock_wait_s=waited)
             store = Store(job.database_path)
             try:
                 return _run_locked(job, scan, builder, store, engine_factory, opts)
@@ -151,7 +157,7 @@ def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Stor
         ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
         engines = EngineSequence(engine_factory, clock=opts.clock, let_go_last=opts.exits_after,
                                  on_start=lambda info: store.set_engine(run_id, info.backend, info.version, info.settings))
-        return _execute(job, store, run_id, engines, builder, work, opts.progress_factory, ctx, opts.started_at)
+        return _execute(job, store, run_id, engines, builder, work, opts, ctx)
     except BaseException as exc:
         status = "interrupted" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else "failed"
         store.finish_run(run_id, status, error=str(exc) or exc.__class__.__name__)
@@ -194,11 +200,11 @@ def _work(store: Store, job: Job, scan: InputScan, retry_failed: bool) -> Work:
 
 
 def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, builder: PromptBuilder, work: Work,
-             progress_factory, ctx: CalibrationContext, started_at: Optional[float]) -> RunSummary:
+             opts: RunOptions, ctx: CalibrationContext) -> RunSummary:
     clock = engines.clock
     t_run = clock()
-    t_start = t_run if started_at is None else min(started_at, t_run)  # the wall counts what came before too
-    progress = progress_factory(work.todo) if progress_factory else None
+    t_start, wall_from = (t_run, "call") if opts.started is None else (min(opts.started[0], t_run), opts.started[1])
+    progress = opts.progress_factory(work.todo) if opts.progress_factory else None
     collector = ResultCollector(job, store, run_id, RequestBuilder(job, builder), progress, work.fingerprint,
                                 clock=clock)
     ahead = build_ahead(job, collector.rb, work.is_done, work.skip) if work.todo else None
@@ -222,6 +228,7 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
                                            "engine_starts_s": [round(x, 3) for x in engines.starts],
                                            "runner_loop": collector.times(), "notes": work.notes,
                                            "grammar": work.grammar, "before_run_s": round(t_run - t_start, 3),
+                                           "wall_from": wall_from, "lock_wait_s": round(opts.lock_wait_s, 3),
                                            "spec_acceptance_by_position": _by_position(engines.used)})
     store.finish_run(run_id, "completed", stats=stats)
     return RunSummary(run_id, str(job.database_path), 0, 0, dict(collector.counts), stats.as_dict())
