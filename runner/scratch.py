@@ -19,6 +19,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -26,6 +27,7 @@ PREFIX = "runner-tmp-"
 LOCK = ".lock"
 SOCKET_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux: ZMQ refuses a longer ipc path (bytes)
 SOCKET_NAME_CHARS = 37  # "/" and a uuid4, vLLM's name for each socket
+HALF_MADE_S = 60.0  # a hidden folder is locked microseconds after it is made: older and unlocked, its maker died
 _made: Optional[tuple[int, Path]] = None  # (pid of the process that made it, the folder)
 _lock_fd: Optional[int] = None
 
@@ -70,10 +72,11 @@ def remove_scratch() -> None:
 
 
 def sweep_stale(parent: Path) -> list[Path]:
-    """Remove the folders no process holds (their runs were killed before they could remove them);
-    one in use, another user's, or a link stays. Returns those removed."""
+    """Remove the folders no process holds (their runs were killed before they could remove them),
+    and hidden half-made ones older than HALF_MADE_S; one in use, another user's, or a link stays.
+    Returns those removed."""
     removed = []
-    for path in parent.glob(f"{PREFIX}*"):
+    for path in [*parent.glob(f"{PREFIX}*"), *parent.glob(f".{PREFIX}*")]:
         try:
             st = path.lstat()
         except OSError:
@@ -82,7 +85,11 @@ def sweep_stale(parent: Path) -> list[Path]:
             continue
         try:
             fd = os.open(path / LOCK, os.O_RDWR)
-        except OSError:  # no lock file: not one of ours as this version makes them
+        except OSError:  # no lock file: not one of ours as this version makes them, or half-made
+            if path.name.startswith(".") and time.time() - st.st_mtime > HALF_MADE_S:
+                shutil.rmtree(path, ignore_errors=True)  # its maker was killed before it could lock it
+                if not path.exists():
+                    removed.append(path)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

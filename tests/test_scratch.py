@@ -4,6 +4,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,26 @@ def test_only_folders_no_process_holds_are_swept(fresh):
     assert in_use.exists() and unlocked.exists() and (target / "socket").exists()
     assert folder.exists() and (folder / ".lock").exists()
     assert scratch.sweep_stale(fresh) == [in_use]  # its holder is gone now
+
+
+def test_a_half_made_folder_is_swept_once_its_maker_is_gone(fresh):
+    # made under a hidden name, then locked, then renamed: a process killed in between leaves it
+    locked_dead = _left_behind(fresh, ".runner-tmp-a1")  # killed after locking: its lock is free
+    locked_live = _left_behind(fresh, ".runner-tmp-b2")
+    young = fresh / ".runner-tmp-c3"  # no lock yet: maybe being made right now
+    young.mkdir()
+    old = fresh / ".runner-tmp-d4"  # no lock, and older than any making takes
+    old.mkdir()
+    past = time.time() - scratch.HALF_MADE_S - 5
+    os.utime(old, (past, past))
+    holder = _holding_lock(locked_live)
+    try:
+        removed = scratch.sweep_stale(fresh)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(removed) == sorted([locked_dead, old])
+    assert locked_live.exists() and young.exists()
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="making another user's folder needs root")
