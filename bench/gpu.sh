@@ -13,10 +13,12 @@
 # (bench/results/2026-12-01-nvidia-h200-cap512.json) measured cap512 (every step within the captured
 # graphs) 1.04-1.05x the runner in generation in all 3 rounds, wall within the import's spread;
 # v1runner gained nothing consistent; the lease of e916717 had one warm round of biggraphs and cap512
-# (its warm-up warmed nothing: bench/results/2026-12-01-nvidia-h200-coldwarmup.json). Before cap512 ships, its cost where prefills are large: the
-# roomy regime and the 8B shape; biggraphs (compiled graphs up to 2,048 tokens a step) is the other
-# way to graph the steps that prefill. That lease took ~1,430 s of device time for 16 runs (staging
-# and install 150 s, warm-up of four configurations ~5 min). ~25 min:
+# (its warm-up warmed nothing: bench/results/2026-12-01-nvidia-h200-coldwarmup.json). Before cap512
+# ships, its cost where prefills are large: the roomy regime and the 8B shape; biggraphs (compiled
+# graphs up to 2,048 tokens a step) is the other way to graph the steps that prefill. That lease took
+# ~1,430 s of device time for 16 runs (staging and install 150 s, warm-up of four configurations
+# ~5 min); on e916717's slower host (plain 79-103 s, a fresh machine's first vLLM start 195 s) 16 runs
+# did not fit: plan at most 4 configurations a round there. ~25 min:
 #   WARMUP="invoices/roomy/135m=plain,runner,cap512;invoices/tight/135m=biggraphs" BENCH_COMMIT=<commit> \
 #     bash bench/gpu.sh start --multi "" --repeats 3 --deadline-s 1000 --cases \
 #     "invoices/roomy/135m=plain,runner,cap512;invoices/tight/135m=runner,cap512,biggraphs"
