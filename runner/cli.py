@@ -181,15 +181,19 @@ def validate(job, overrides):
     Example:
       runner validate jobs/summarize.yaml
     """
-    from runner.models import is_model_dir
+    from runner.errors import ModelError
+    from runner.models import is_model_dir, missing_model
     from runner.readers import LocalReader
     from runner.spec import load_job
 
     spec = load_job(job, overrides)
     reader = LocalReader(spec.input_path, spec.spec.input)
     scan = reader.scan()
-    _check_prompt(spec, reader, scan)
-    model = "ready" if is_model_dir(spec.model_path, weights=spec.engine.needs_weights) else "MISSING (runner prepare-model)"
+    _check_prompt(spec, reader, scan)  # the tokenizer: needed here whatever the executor
+    model = "ready" if is_model_dir(spec.model_path, weights=spec.engine.needs_weights) else \
+        "weights not here: the Ray replicas load them"
+    if model != "ready" and spec.spec.executor == "local":  # `runner run` would stop there: so does this
+        raise ModelError(missing_model(spec.model_path))
     say(f"OK: {job}")
     say(table([
         ("input", f"{scan.rows:,} rows in {len(scan.files)} file(s)"
@@ -202,15 +206,11 @@ def validate(job, overrides):
 
 
 def _check_prompt(spec, reader, scan) -> None:
-    """Build the first row's prompt: a chat template that does not compile or render stops
-    `validate` here, not a night's run (a missing model is reported in validate's table)."""
-    from runner.errors import ModelError
+    """Build the first row's prompt: a missing tokenizer, or a chat template that does not compile
+    or render, stops `validate` here, not a night's run."""
     from runner.prompting import builder_for
 
-    try:
-        builder = builder_for(spec)
-    except ModelError:
-        return
+    builder = builder_for(spec)
     doc = next(iter(reader.documents(spec.system_source, scan.skip)), None)
     if doc is None or doc.problem:
         return

@@ -47,6 +47,12 @@ def is_model_dir(path: Path, weights: bool = True) -> bool:
     return (path / "config.json").is_file() and (not weights or any(path.glob("*.safetensors")))
 
 
+def missing_model(path: Path) -> str:
+    """What `run` and `validate` say of a folder vLLM could not load."""
+    return (f"{path}: model folder not found or incomplete: no config.json or no *.safetensors weights (for the "
+            "builtin model run: runner prepare-model; a config-only folder needs load_format: dummy)")
+
+
 def model_fingerprint(path: Path) -> str:
     """A short hash of what a model folder holds: its config and the names and sizes of its files
     (the weights are not read: hashing gigabytes would cost more than the engine start)."""

@@ -83,11 +83,29 @@ CASES = [
 def test_bad_input_gives_one_error_line_and_no_run(make_job, tmp_path, name, breaker, code, message):
     job = make_job(rows=6)
     breaker(tmp_path, job)
-    result = CliRunner().invoke(cli, ["run", "--engine", "fake", str(job)])
-    assert result.exit_code == code, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0]
+    # `runner validate && runner run` from cron: validate stops where run would, with the same line
+    for command in (["validate"], ["run", "--engine", "fake"]):
+        result = CliRunner().invoke(cli, [*command, str(job)])
+        assert result.exit_code == code, (command, result.output)
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], command
     assert not (tmp_path / "out" / "results.sqlite").exists()  # no partial run
+
+
+def test_validate_refuses_a_model_folder_without_weights_for_a_local_engine(make_job, tmp_path, model_dir):
+    import shutil
+
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(model_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    job = make_job(rows=6)
+    edit_job(lambda s, p: s["engine"].update(model=str(no_weights)))(tmp_path, job)
+    result = CliRunner().invoke(cli, ["validate", str(job)])
+    assert result.exit_code == 4 and result.output.startswith("Error: ") and len(result.output.splitlines()) == 1
+    assert "no-weights: model folder not found or incomplete" in result.output
+    # with Ray the replicas load the weights where they run: here only the tokenizer must be
+    ray = CliRunner().invoke(cli, ["validate", "--set", "executor=ray", str(job)])
+    assert ray.exit_code == 0, ray.output
+    assert "weights not here: the Ray replicas load them" in ray.output
 
 
 def test_on_bad_row_store_records_bad_rows_and_runs_the_rest(make_job, tmp_path):

@@ -19,7 +19,7 @@ from runner.engines.feed import Admitted, Feed
 from runner.engines.vllm_settings import (core_in_this_process, engine_counters, gauge, graphs_of_mixed_steps,
                                           llm_kwargs, offline_environment, resolve_grammar, sampling_params)
 from runner.errors import EngineError, ModelError, RunnerError
-from runner.models import is_model_dir
+from runner.models import is_model_dir, missing_model
 from runner.scratch import vllm_files_here
 from runner.spec import SamplingSpec
 
@@ -36,9 +36,7 @@ class VllmEngine(Engine):
 
     def __init__(self, cfg: EngineConfig, model_path: Path, sampling: SamplingSpec, schema: dict):
         if not is_model_dir(model_path, weights=cfg.needs_weights):
-            raise ModelError(f"{model_path}: model folder not found or incomplete: no config.json or no *.safetensors "
-                             "weights (for the builtin model run: runner prepare-model; a config-only folder needs "
-                             "load_format: dummy)")
+            raise ModelError(missing_model(model_path))
         os.environ.update(offline_environment(cfg.in_process))
         t0 = time.perf_counter()
         try:
