@@ -46,9 +46,12 @@ def db_options(fn):
 @db_options
 @click.option("--last", "last", default=1, show_default=True, type=click.IntRange(min=1), help="How many recent runs to show.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout: runs, their stats and row counts.")
+@click.option("--with-idle", is_flag=True,
+              help="Count runs that had nothing to do (every row already stored); left out by default.")
 @reports_errors
-def stats(run_id, job, db, overrides, last, as_json):
-    """Show the stats of run RUN_ID, or of the last runs of a job.
+def stats(run_id, job, db, overrides, last, as_json, with_idle):
+    """Show the stats of run RUN_ID, or of the last runs of a job that ran rows (a rerun that
+    found every row stored is left out unless --with-idle: its zero throughput is not the job's).
 
     \b
     Example:
@@ -59,9 +62,10 @@ def stats(run_id, job, db, overrides, last, as_json):
     from runner.errors import StoreError
 
     store, job_name = _open_store(job, db, overrides)
-    runs = [store.run(run_id)] if run_id is not None else store.latest_runs(job_name, last)
+    runs = [store.run(run_id)] if run_id is not None else store.latest_runs(job_name, last, with_idle)
     if not runs or runs[0] is None:
-        raise StoreError(f"{store.path}: no run {run_id}" if run_id is not None else f"{store.path}: no runs yet")
+        raise StoreError(f"{store.path}: no run {run_id}" if run_id is not None else
+                         f"{store.path}: no runs yet" + ("" if with_idle else " that ran rows (--with-idle: all)"))
     if as_json:
         click.echo(json.dumps([_run_json(store, r) for r in runs], indent=1, default=str))
         return

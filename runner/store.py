@@ -226,10 +226,15 @@ class Store(SpeculationRecords):
             row = conn.execute(select(self.runs).where(self.runs.c.id == run_id)).mappings().first()
             return dict(row) if row else None
 
-    def latest_runs(self, job_name: Optional[str] = None, limit: int = 1) -> list[dict]:
+    def latest_runs(self, job_name: Optional[str] = None, limit: int = 1, with_idle: bool = True) -> list[dict]:
+        """The newest runs first; with_idle False leaves out those that completed with nothing to do
+        (every row already stored: a nightly rerun), whose zero throughput would hide the last real one."""
         q = select(self.runs).order_by(self.runs.c.id.desc()).limit(limit)
         if job_name:
             q = q.where(self.runs.c.job_name == job_name)
+        if not with_idle:
+            idle = select(self.run_stats.c.run_id).where(self.run_stats.c.rows_total == 0)
+            q = q.where(~((self.runs.c.status == "completed") & self.runs.c.id.in_(idle)))
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
 
