@@ -181,8 +181,9 @@ def validate(job, overrides):
     Example:
       runner validate jobs/summarize.yaml
     """
-    from runner.errors import ModelError
+    from runner.errors import ModelError, StoreError
     from runner.models import is_model_dir, missing_model
+    from runner.store import unwritable_reason
     from runner.readers import LocalReader
     from runner.spec import load_job
 
@@ -194,6 +195,8 @@ def validate(job, overrides):
         "weights not here: the Ray replicas load them"
     if model != "ready" and spec.spec.executor == "local":  # `runner run` would stop there: so does this
         raise ModelError(missing_model(spec.model_path))
+    if (why := unwritable_reason(spec.database_path)) is not None:
+        raise StoreError(f"{spec.database_path}: output.database: cannot be written: {why}")
     say(f"OK: {job}")
     say(table([
         ("input", f"{scan.rows:,} rows in {len(scan.files)} file(s)"

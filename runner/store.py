@@ -30,6 +30,19 @@ _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({
                    + ", ".join(f"{c} = excluded.{c}" for c in RESULT_COLUMNS if c not in ("job_name", "row_id")))
 
 
+def unwritable_reason(path: Path) -> Optional[str]:
+    """Why a run could not make or write the database at path (None: it could), found without
+    writing: the file, or the nearest folder that exists above it, must be writable."""
+    if path.exists():
+        return None if path.is_file() and os.access(path, os.R_OK | os.W_OK) else "not a writable file"
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not a folder this user can write in"
+    return None
+
+
 class Store(SpeculationRecords):
     """One SQLite results database."""
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -181,3 +182,23 @@ def test_jsonl_csv_and_openai_batch_inputs_run_like_parquet(make_job, tmp_path):
     (tmp_path / "batch.jsonl").write_text('{"custom_id": "x", "body": {}}\n')
     bad = CliRunner().invoke(cli, ["validate", *cases["openai"], str(job)])
     assert bad.exit_code == 3 and "batch.jsonl: line 1: not an OpenAI batch request" in bad.output
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "read_only"])
+def test_validate_refuses_a_database_that_cannot_be_written(make_job, tmp_path, where):
+    blocker = tmp_path / "blocker"
+    if where == "under_a_file":
+        blocker.write_text("")
+        db = blocker / "sub" / "results.sqlite"  # its nearest existing "folder" is a file
+    else:
+        if os.getuid() == 0:
+            pytest.skip("root writes in any folder")
+        blocker.mkdir(mode=0o500)
+        db = blocker / "results.sqlite"
+    job = make_job(rows=6)
+    edit_job(lambda s, p: s["output"].update(database=str(db)))(tmp_path, job)
+    result = CliRunner().invoke(cli, ["validate", str(job)])
+    assert result.exit_code == 6 and len(result.output.splitlines()) == 1, result.output
+    assert result.output.startswith(f"Error: {db}: output.database: cannot be written")
+    run = CliRunner().invoke(cli, ["run", "--engine", "fake", str(job)])
+    assert run.exit_code == 6  # what validate foretold
