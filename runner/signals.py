@@ -1,4 +1,4 @@
-"""SIGTERM (cron's and systemd's stop) as the runner's own Interrupted error, raised in the main
+"""SIGTERM (cron's and systemd's stop) and SIGHUP as the runner's own Interrupted error, raised in the main
 thread wherever the run is, so that what finished is stored and the exit says so."""
 from __future__ import annotations
 
@@ -32,8 +32,12 @@ def sigterm_interrupts():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.signal(signal.SIGTERM, raise_interrupted)
+    # SIGHUP too (a closed terminal or ssh session), unless ignored: `nohup runner run` asked that
+    signals = [signal.SIGTERM] + [s for s in [getattr(signal, "SIGHUP", None)]
+                                  if s is not None and signal.getsignal(s) is not signal.SIG_IGN]
+    old = {s: signal.signal(s, raise_interrupted) for s in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for s, handler in old.items():
+            signal.signal(s, handler)

@@ -147,7 +147,8 @@ def test_wait_waits_for_the_running_job(make_job, tmp_path, fake_env):
     assert len(stored(db)) == 20
 
 
-def test_sigterm_stores_finished_rows_and_marks_the_run_interrupted(make_job, tmp_path, fake_env):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_stores_finished_rows_and_marks_the_run_interrupted(make_job, tmp_path, fake_env, sig):
     job = make_job(rows=ROWS, job={"output": {"database": "out/results.sqlite", "commit_every_rows": 1000}})
     db = tmp_path / "out" / "results.sqlite"
     proc = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env,
@@ -164,13 +165,26 @@ def test_sigterm_stores_finished_rows_and_marks_the_run_interrupted(make_job, tm
 
     wait_for(generating, "the run to start")
     time.sleep(0.4)  # some rows finish (60 take 0.6 s at this delay); none are committed yet
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Error: stopped by signal SIGTERM" in err
+    assert proc.returncode == 130 and f"Error: stopped by signal {sig.name}" in err
     rows = stored(db)
     assert 0 < len(rows) < ROWS  # the open commit batch was written on the way out
     con = sqlite3.connect(db)
     assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
+
+
+def test_nohup_keeps_sighup_ignored(make_job, tmp_path, fake_env):
+    job = make_job(rows=ROWS, job={"output": {"commit_every_rows": 1}})
+    db = tmp_path / "out" / "results.sqlite"
+    proc = subprocess.Popen(["nohup", *runner_cmd("run", "--engine", "fake", "--quiet", job)],
+                            env=dict(fake_env, RUNNER_FAKE_DELAY_S="0.05"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_for(lambda: count(db) >= 2 or proc.poll() is not None, "the run's first rows")
+    assert proc.poll() is None and count(db) < ROWS  # still generating when the hang-up comes
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=120) == 0  # ignored, as nohup asked
+    assert len(stored(db)) == ROWS
 
 
 def test_sigterm_before_the_run_starts_exits_130_and_records_nothing(make_job, tmp_path, fake_env):
