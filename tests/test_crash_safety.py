@@ -151,8 +151,10 @@ def test_wait_waits_for_the_running_job(make_job, tmp_path, fake_env):
 def test_sigterm_stores_finished_rows_and_marks_the_run_interrupted(make_job, tmp_path, fake_env, sig):
     job = make_job(rows=ROWS, job={"output": {"database": "out/results.sqlite", "commit_every_rows": 1000}})
     db = tmp_path / "out" / "results.sqlite"
+    # as from a terminal: SIGHUP at its default even where these tests run under nohup
     proc = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job), env=fake_env,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     def generating() -> bool:  # the run row exists
         try:
             con = sqlite3.connect(db, timeout=30)
