@@ -183,9 +183,9 @@ def validate(job, overrides):
     """
     from runner.errors import ModelError, StoreError
     from runner.models import is_model_dir, missing_model
-    from runner.store import unwritable_reason
     from runner.readers import LocalReader
     from runner.spec import load_job
+    from runner.store import unwritable_reason
 
     spec = load_job(job, overrides)
     reader = LocalReader(spec.input_path, spec.spec.input)
