@@ -191,9 +191,8 @@ def validate(job, overrides):
     reader = LocalReader(spec.input_path, spec.spec.input)
     scan = reader.scan()
     _check_prompt(spec, reader, scan)  # the tokenizer: needed here whatever the executor
-    model = "ready" if is_model_dir(spec.model_path, weights=spec.engine.needs_weights) else \
-        "weights not here: the Ray replicas load them"
-    if model != "ready" and spec.spec.executor == "local":  # `runner run` would stop there: so does this
+    ready = is_model_dir(spec.model_path, weights=spec.engine.needs_weights)
+    if not ready and spec.spec.executor == "local":  # `runner run` would stop there: so does this
         raise ModelError(missing_model(spec.model_path))
     if (why := unwritable_reason(spec.database_path)) is not None:
         raise StoreError(f"{spec.database_path}: output.database: cannot be written: {why}")
@@ -203,7 +202,7 @@ def validate(job, overrides):
                   + (f"; {len(scan.skip):,} left out (null or repeated ids)" if scan.skip else "")),
         ("schema", str(spec.schema_path)),
         ("engine config", str(spec.engine_config_path)),
-        ("model", f"{spec.model_path} [{model}]"),
+        ("model", f"{spec.model_path} [{'ready' if ready else 'weights not here: the Ray replicas load them'}]"),
         ("database", str(spec.database_path)),
     ]))
 

@@ -103,9 +103,7 @@ def _run(job: Job, engine_factory: Callable[[Job], Engine], opts: RunOptions) ->
         builder = builder_for(job)
         t_lock = opts.clock()
         with JobLock(job.database_path, job.name, wait=opts.wait):
-            waited = opts.clock() - t_lock  # waiting for another run of the job (--wait) is not this run's time
-            started = None if opts.started is None else (opts.started[0] + waited, opts.started[1])
-            opts = replace(opts, started=started, lock_wait_s=waited)
+            opts = replace(opts, lock_wait_s=opts.clock() - t_lock)
             store = Store(job.database_path)
             try:
                 return _run_locked(job, scan, builder, store, engine_factory, opts)
@@ -203,7 +201,9 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
              opts: RunOptions, ctx: CalibrationContext) -> RunSummary:
     clock = engines.clock
     t_run = clock()
-    t_start, wall_from = (t_run, "call") if opts.started is None else (min(opts.started[0], t_run), opts.started[1])
+    # waiting for another run of the job (--wait) is not this run's time
+    t_start, wall_from = (t_run, "call") if opts.started is None else \
+        (min(opts.started[0] + opts.lock_wait_s, t_run), opts.started[1])
     progress = opts.progress_factory(work.todo) if opts.progress_factory else None
     collector = ResultCollector(job, store, run_id, RequestBuilder(job, builder), progress, work.fingerprint,
                                 clock=clock)

@@ -84,20 +84,20 @@ def sweep_stale(parent: Path) -> list[Path]:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             continue
         try:
-            fd = os.open(path / LOCK, os.O_RDWR)
+            fd: Optional[int] = os.open(path / LOCK, os.O_RDWR)
         except OSError:  # no lock file: not one of ours as this version makes them, or half-made
-            if path.name.startswith(".") and time.time() - st.st_mtime > HALF_MADE_S:
-                shutil.rmtree(path, ignore_errors=True)  # its maker was killed before it could lock it
-                if not path.exists():
-                    removed.append(path)
-            continue
+            if not (path.name.startswith(".") and time.time() - st.st_mtime > HALF_MADE_S):
+                continue
+            fd = None  # its maker was killed before it could lock it
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             shutil.rmtree(path, ignore_errors=True)
         except OSError:  # held: in use
             continue
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         if not path.exists():
             removed.append(path)
     return removed
