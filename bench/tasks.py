@@ -5,6 +5,7 @@ GPUs.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -19,6 +20,7 @@ from typing import Optional
 
 import yaml
 
+from bench import caches
 from bench.procs import run_group
 from bench.variants import ROOT, VARIANT_ENV, engine_settings, graph_sizes, runner_variant
 from runner.errors import SpecError
@@ -223,7 +225,10 @@ def runner_result(d: Path) -> dict:
         "rows": s["rows_total"], "rows_valid": valid, "finish_reasons": finish,
         "calibration": choice.get("speculative_calibration"),
         "engine_starts_s": choice.get("engine_starts_s"), "grammar": choice.get("grammar"),  # measured or cached
-        "engines": [{k: v for k, v in e.items() if k != "settings"} for e in choice.get("engines", [])]}
+        "engines": [{k: v for k, v in e.items() if k != "settings"} for e in choice.get("engines", [])],
+        # one hash of each engine's vLLM settings: runs whose starts differ may differ in settings
+        "settings_sha": [hashlib.sha256(json.dumps(e.get("settings"), sort_keys=True, default=str).encode()).hexdigest()[:12]
+                         for e in choice.get("engines", [])]}
 
 
 def log_samples(log: str) -> dict:
@@ -271,10 +276,12 @@ def execute(a, t: Task, seeds: dict, env: dict) -> dict:
     cmd = plain_command(a, t, d) if plain else runner_command(a, t, d, seeds)
     t0 = time.perf_counter()
     env = env | VARIANT_ENV.get(t.config, {})
+    cached = caches.snapshot()
     with open(d / "stderr.log", "w") as err:
         proc = run_group(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(ROOT), env=env,
                          timeout=a.task_timeout)
     process_s = time.perf_counter() - t0
+    cache_files = caches.added(cached, caches.snapshot())  # what this run built that a later one finds
     (d / "stdout.log").write_text(proc.stdout)
     log = proc.stdout + (d / "stderr.log").read_text(errors="replace")  # vLLM logs to stdout
     job_log = d / "results.sqlite.bench.log"  # the runner sends the engine's output to the job's log
@@ -282,7 +289,8 @@ def execute(a, t: Task, seeds: dict, env: dict) -> dict:
         log += job_log.read_text(errors="replace")
     startup = [ln.strip()[-160:] for ln in log.splitlines() if STARTUP_LOG.search(ln)][:20]
     if proc.returncode != 0:
-        return {"error": log[-2000:], "rc": proc.returncode, "process_s": round(process_s, 2)}
+        return {"error": log[-2000:], "rc": proc.returncode, "process_s": round(process_s, 2),
+                "cache_files_added": cache_files}
     if plain:
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
         r = json.loads(line[7:])
@@ -290,4 +298,4 @@ def execute(a, t: Task, seeds: dict, env: dict) -> dict:
         r = runner_result(d)
         remember_seed(a, t, r, d, seeds)
     return r | log_samples(log) | {"process_s": round(process_s, 2), "wall_documents_per_s": r["rows"] / process_s,
-                                   "startup_log": startup}
+                                   "startup_log": startup, "cache_files_added": cache_files}

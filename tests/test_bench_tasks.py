@@ -230,3 +230,23 @@ def test_a_finished_runs_line_shows_its_outputs_beside_its_speed():
                      "finish_reasons": {"stop": 705, "length": 302, "error": 17}})
     assert line == "44.3 s, 76.7 doc/s, 700/1024 valid (error 17, length 302, stop 705)"
     assert _outcome({"error": "Traceback\nEngineError: no GPU\n", "rc": 1}) == "ERROR EngineError: no GPU"
+
+
+def test_the_cache_diagnostic_counts_a_runs_new_files_by_their_cache_folder(tmp_path, monkeypatch):
+    from bench import caches
+
+    vllm_cache, triton = tmp_path / "vllm", tmp_path / "triton"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(vllm_cache))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    old = vllm_cache / "torch_compile_cache" / "aaa" / "rank_0_0"
+    old.mkdir(parents=True)
+    (old / "graph").write_text("x")
+    before = caches.snapshot()
+    (old / "graph2").write_text("x")  # the same compile key, one more file
+    for i in range(3):  # a kernel cache that a run filled
+        (triton / f"k{i}").mkdir(parents=True)
+        (triton / f"k{i}" / "kernel.cubin").write_text("x")
+    got = caches.added(before, caches.snapshot())
+    assert got == {str(old): 1, str(triton / "k0"): 1, str(triton / "k1"): 1, str(triton / "k2"): 1}
+    assert caches.added(before, before) == {}
