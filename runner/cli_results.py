@@ -18,6 +18,8 @@ def _open_store(job, db, overrides=()):
     from runner.store import Store
 
     job_name = None
+    if job and db:  # silently reading one of them would show another job's results
+        raise SpecError("give --job JOB or --db DATABASE, not both")
     if job:
         from runner.spec import load_job
 

@@ -256,3 +256,14 @@ def test_vllm_is_started_with_cuda_checks_that_leave_cuda_alone(monkeypatch):
 
     monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
     assert offline_environment(False)["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
+
+
+def test_vllm_keeps_one_triton_kernel_cache_under_the_runners_cache_unless_the_user_set_one(monkeypatch, tmp_path):
+    """A start that loads its compile from the cache must find the kernels the compiling start made."""
+    from runner.engines.vllm_settings import offline_environment
+
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert offline_environment(False)["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert "TRITON_CACHE_DIR" not in offline_environment(False)  # the user's own stays

@@ -30,6 +30,11 @@ def offline_environment(in_process: bool) -> dict[str, str]:
     defaults = {
         "VLLM_CACHE_ROOT": str(cache_root() / "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": str(cache_root() / "inductor"),
+        # One Triton kernel cache for every start. Left unset, a start that compiles puts vLLM's own
+        # kernels in that compile's inductor folder (inductor sets the variable when it compiles),
+        # and the next start, which loads the compile, JIT-compiles them again into ~/.triton: ~9 s
+        # of `LLM(...)` on the H200 (the lease of 9a51903), and every start where HOME is thrown away.
+        "TRITON_CACHE_DIR": str(cache_root() / "triton"),
         "VLLM_LOGGING_LEVEL": "WARNING",
         # torch.cuda.is_available() (which importing xgrammar calls, in vLLM's frontend too) asks NVML
         # instead of starting CUDA here, which a later engine's forked core could not use
