@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 
 import pytest
@@ -62,6 +63,11 @@ def test_run_with_fake_engine_then_stats(invoke, make_job, tmp_path):
     assert out.output.count("completed") == 2 and out.output.startswith("run 2 ")
     out = invoke("stats", "1", "--db", tmp_path / "out" / "results.sqlite")
     assert out.output.startswith("run 1  t  completed")
+    other = tmp_path / "other.sqlite"
+    shutil.copy(tmp_path / "out" / "results.sqlite", other)
+    for command in (["stats"], ["report", "1"], ["export", "--format", "csv"]):  # which one would it read?
+        out = CliRunner().invoke(cli, [*command, "--job", str(job), "--db", str(other)])
+        assert out.exit_code == 2 and out.output == "Error: give --job JOB or --db DATABASE, not both\n"
 
 
 @pytest.mark.parametrize("break_it, code, message", [
