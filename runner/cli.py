@@ -260,7 +260,7 @@ def plan(job, overrides):
     if p.rows_without_prompt:
         say(f"{p.rows_without_prompt:,} rows whose values do not fit prompts.user_template (a run stores them as failed)")
     say(f"shared-prefix share of prompt tokens (prefix-cache bound, {p.block_tokens}-token blocks): "
-        f"{100 * p.prefix_share:.1f}%")
+        f"{'' if p.tokens_exact else '~'}{100 * p.prefix_share:.1f}%{exact}")
 
 
 @cli.command("prepare-model")

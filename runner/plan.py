@@ -177,7 +177,10 @@ def _count(docs: list[Document], builder: Optional[PromptBuilder], groups: dict[
             preview = (system or "(no system prompt)").strip().replace("\n", " ")[:60]
             prefix = builder.system_prefix_tokens(system) if builder else len(system or "") // 4
             g = groups[key] = GroupSummary(key, preview, prefix_tokens=prefix)
-        if builder is None:  # no tokenizer: about four characters a token, and no cache estimate
+        if builder is None:  # no tokenizer: about four characters a token; every row after a
+            # group's first reuses its system prompt's whole blocks
+            hits = len(rows) - (1 if g.rows == 0 else 0)
+            g.cacheable_tokens += hits * (g.prefix_tokens // bound.block_tokens) * bound.block_tokens
             g.rows += len(rows)
             g.prompt_tokens += sum((len(system or "") + len(d.text)) // 4 + 8 for d in rows)
             continue

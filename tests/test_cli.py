@@ -33,7 +33,7 @@ def test_validate_reports_rows_and_model(invoke, make_job):
     assert "7 rows in 1 file(s)" in out.output and "[ready]" in out.output
 
 
-def test_plan_prints_groups_and_prefix_bound(invoke, make_job):
+def test_plan_prints_groups_and_prefix_bound(invoke, make_job, tmp_path):
     out = invoke("plan", make_job(rows=12))
     assert out.exit_code == 0, out.output
     lines = out.output.splitlines()
@@ -42,6 +42,13 @@ def test_plan_prints_groups_and_prefix_bound(invoke, make_job):
     assert "2 groups, 12 rows" in out.output
     share = float(out.output.rsplit(":", 1)[1].strip().rstrip("%"))
     assert 50 < share < 100
+    # a model not prepared yet: the bound is estimated from characters, and says so
+    out = invoke("plan", make_job(rows=12, engine={"model": str(tmp_path / "not-yet")}))
+    assert out.exit_code == 0, out.output
+    last = out.output.splitlines()[-1]
+    assert last.endswith("(estimated: model not prepared)")
+    estimate = float(last.rsplit(": ~", 1)[1].split("%")[0])
+    assert 50 < estimate < 100
 
 
 def test_run_with_fake_engine_then_stats(invoke, make_job, tmp_path):

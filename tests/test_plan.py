@@ -67,6 +67,17 @@ def test_summary_counts_real_tokens_per_group(model_dir):
     assert 0.5 < s.prefix_share < 1
 
 
+def test_without_a_tokenizer_the_bound_is_estimated_from_each_groups_system_prompt():
+    """Every row after a group's first reuses the whole blocks of its system prompt (~4 chars a token)."""
+    long_a = "Rules for A. " * 40  # 520 chars: ~130 tokens, 4 whole 32-token blocks
+    rows = [Document(f"r{i}", "doc", long_a if i < 5 else "short", {}) for i in range(7)]
+    s = summarize_plan(rows, None, block_tokens=32, batch=2)  # batches split group A: its first row counts once
+    assert not s.tokens_exact and [g.rows for g in s.groups] == [5, 2]
+    assert s.groups[0].prefix_tokens == 130 and s.groups[0].cacheable_tokens == 4 * 128
+    assert s.groups[1].cacheable_tokens == 0  # a prompt shorter than a block shares nothing
+    assert s.prefix_share == 4 * 128 / s.prompt_tokens
+
+
 def test_prompt_builder_matches_the_models_chat_template(model_dir):
     from transformers import PreTrainedTokenizerFast  # AutoTokenizer's class for this folder derives from it
 
