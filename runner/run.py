@@ -145,7 +145,9 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
 def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
                   engine_factory: Callable[[Job], Engine], opts: RunOptions, work: Work, key: dict,
                   run_id: int) -> RunSummary:
-    """The run once its row exists: whatever stops it, the row ends interrupted or failed."""
+    """The run once its row exists: whatever stops it, the row ends interrupted or failed, with the
+    stats of the rows it stored (a nightly run stopped at its deadline still shows its speed)."""
+    partial: dict = {}  # _execute leaves the stopped run's stats here
     try:
         if scan.skip:
             store.save_rejected(run_id, job.name, scan.rejected)
@@ -155,10 +157,10 @@ def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Stor
         ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
         engines = EngineSequence(engine_factory, clock=opts.clock, let_go_last=opts.exits_after,
                                  on_start=lambda info: store.set_engine(run_id, info.backend, info.version, info.settings))
-        return _execute(job, store, run_id, engines, builder, work, opts, ctx)
+        return _execute(job, store, run_id, engines, builder, work, opts, ctx, partial)
     except BaseException as exc:
         status = "interrupted" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else "failed"
-        store.finish_run(run_id, status, error=str(exc) or exc.__class__.__name__)
+        store.finish_run(run_id, status, stats=partial.get("stats"), error=str(exc) or exc.__class__.__name__)
         raise
 
 
@@ -198,7 +200,7 @@ def _work(store: Store, job: Job, scan: InputScan, retry_failed: bool) -> Work:
 
 
 def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, builder: PromptBuilder, work: Work,
-             opts: RunOptions, ctx: CalibrationContext) -> RunSummary:
+             opts: RunOptions, ctx: CalibrationContext, partial: dict) -> RunSummary:
     clock = engines.clock
     t_run = clock()
     # waiting for another run of the job (--wait) is not this run's time
@@ -221,17 +223,30 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
         engines.stop(completed)
         if progress is not None and hasattr(progress, "close"):
             progress.close()
-    stats = StatsRow.build(collector.counts, collector.tokens, engines.used, wall_s=clock() - t_start,
+        if not completed and sum(collector.counts.values()):
+            try:  # what the stopped run did; its own failure must not hide the one that stopped it
+                partial["stats"] = _stats(collector, engines, work, opts, choice, clock() - t_start, t_run - t_start,
+                                          wall_from)
+            except Exception:
+                pass
+    stats = _stats(collector, engines, work, opts, choice, clock() - t_start, t_run - t_start, wall_from)
+    store.finish_run(run_id, "completed", stats=stats)
+    return RunSummary(run_id, str(job.database_path), 0, 0, dict(collector.counts), stats.as_dict())
+
+
+def _stats(collector: ResultCollector, engines: EngineSequence, work: Work, opts: RunOptions, choice: Optional[dict],
+           wall_s: float, before_run_s: float, wall_from: str) -> StatsRow:
+    """The run's stats row: throughput, cache hits, tokens, and how the engine was chosen and started."""
+    stats = StatsRow.build(collector.counts, collector.tokens, engines.used, wall_s=wall_s,
                            load_s=engines.load_s, gen_s=engines.gen_s, plan_share=collector.rb.plan().prefix_share,
                            skipped=work.skipped, redone=work.redone)
     stats.engine_choice_json = json.dumps({"speculative_calibration": choice, "engines": engines.adaptations,
                                            "engine_starts_s": [round(x, 3) for x in engines.starts],
                                            "runner_loop": collector.times(), "notes": work.notes,
-                                           "grammar": work.grammar, "before_run_s": round(t_run - t_start, 3),
+                                           "grammar": work.grammar, "before_run_s": round(before_run_s, 3),
                                            "wall_from": wall_from, "lock_wait_s": round(opts.lock_wait_s, 3),
                                            "spec_acceptance_by_position": _by_position(engines.used)})
-    store.finish_run(run_id, "completed", stats=stats)
-    return RunSummary(run_id, str(job.database_path), 0, 0, dict(collector.counts), stats.as_dict())
+    return stats
 
 
 def _by_position(used) -> list[float]:

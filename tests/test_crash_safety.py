@@ -174,6 +174,12 @@ def test_sigterm_stores_finished_rows_and_marks_the_run_interrupted(make_job, tm
     assert 0 < len(rows) < ROWS  # the open commit batch was written on the way out
     con = sqlite3.connect(db)
     assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
+    # its stats cover the rows it stored: a nightly run stopped at its deadline still shows its speed
+    total, docs_per_s, wall_s = con.execute("SELECT rows_total, documents_per_s, wall_s FROM run_stats").fetchone()
+    assert total == len(rows) and docs_per_s > 0 and wall_s > 0
+    shown = CliRunner().invoke(cli, ["stats", "--db", str(db)]).output
+    speed = next(ln for ln in shown.splitlines() if "documents/s" in ln)
+    assert shown.startswith("run 1 ") and "interrupted" in shown and float(speed.split()[-1]) == pytest.approx(docs_per_s, abs=0.01)
 
 
 def test_nohup_keeps_sighup_ignored(make_job, tmp_path, fake_env):

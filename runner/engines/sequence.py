@@ -81,10 +81,12 @@ class EngineSequence:
         """Generate `source` on the current engine, handing each completion to `collector.finish`."""
         rows0, out0 = collector.rows_done, collector.tokens["completion"]
         c0, t0 = self.engine.counters(), self.clock()
-        for c in self.engine.generate(source):
-            collector.finish(c)
-        dt = self.clock() - t0
-        self.gen_s += dt
+        try:
+            for c in self.engine.generate(source):
+                collector.finish(c)
+        finally:  # a run stopped midway still counts the generation it did
+            dt = self.clock() - t0
+            self.gen_s += dt
         return Phase(draft_tokens, collector.rows_done - rows0, collector.tokens["completion"] - out0, dt,
                      self.engine.counters() - c0)
 
