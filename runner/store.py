@@ -108,11 +108,15 @@ class Store(SpeculationRecords):
                 status=status, ended_at_utc=utc_now(), error=error))
 
     def mark_abandoned_runs(self, job_name: str) -> int:
-        """Runs still 'running' when a new one starts under the lock died: mark them interrupted."""
+        """Runs still 'running' when a new one starts under the lock died: mark them interrupted,
+        ended at their last stored row (or their start), not when the next run noticed."""
+        last_row = select(func.max(self.results.c.created_at_utc)).where(
+            self.results.c.run_id == self.runs.c.id).scalar_subquery()
         with self._tx() as conn:
             return conn.execute(update(self.runs).where(
                 self.runs.c.job_name == job_name, self.runs.c.status == "running"
-            ).values(status="interrupted", ended_at_utc=utc_now(), error="process ended before the run finished")).rowcount
+            ).values(status="interrupted", ended_at_utc=func.coalesce(last_row, self.runs.c.started_at_utc),
+                     error="process ended before the run finished (ended_at_utc: its last stored row)")).rowcount
 
     # -- results ----------------------------------------------------------------------------
     def done_row_ids(self, job_name: str, fingerprint: Optional[str] = None, ok_only: bool = False) -> set[str]:

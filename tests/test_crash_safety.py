@@ -107,6 +107,10 @@ def test_sigkill_at_random_points_then_rerun_stores_each_row_exactly_once(make_j
     con = sqlite3.connect(db)
     statuses = [s for (s,) in con.execute("SELECT status FROM runs ORDER BY id")]
     assert statuses[-1] == "completed" and set(statuses[:-1]) == {"interrupted"}
+    # each killed run ended at its last stored row (or its start), not when the next run found it
+    killed = con.execute("SELECT ended_at_utc, coalesce((SELECT max(created_at_utc) FROM results WHERE run_id = runs.id), "
+                         "started_at_utc) FROM runs WHERE status = 'interrupted'").fetchall()
+    assert len(killed) >= 4 and all(ended == last for ended, last in killed)  # the start-up kill may precede its row
 
 
 def test_second_run_exits_at_once_while_one_holds_the_lock(make_job, tmp_path, fake_env):

@@ -80,11 +80,25 @@ def test_run_lifecycle_and_stats(tmp_path):
     assert [x["id"] for x in s.latest_runs("j", 5)] == [run]
 
 
-def test_abandoned_runs_are_marked_interrupted(tmp_path):
+def test_abandoned_runs_are_marked_interrupted_at_their_last_stored_row(tmp_path):
     s = Store(tmp_path / "r.sqlite")
     run = s.begin_run("j", "/j.yaml", {})
+    other = s.begin_run("k", "/k.yaml", {})
+    con = sqlite3.connect(tmp_path / "r.sqlite")
+    started = con.execute("SELECT started_at_utc FROM runs WHERE id = ?", (run,)).fetchone()[0]
     assert s.mark_abandoned_runs("j") == 1
-    assert s.run(run)["status"] == "interrupted"
+    r = s.run(run)
+    assert r["status"] == "interrupted" and r["ended_at_utc"] == started  # it stored nothing
+    assert s.run(other)["status"] == "running"  # another job's run is not this one's to close
+    # a killed run that stored rows ended when it stored its last one, not when the next run looked
+    run2 = s.begin_run("j", "/j.yaml", {})
+    for i, at in enumerate(["2030-01-01T00:00:01.000+00:00", "2030-01-01T00:00:09.000+00:00"]):
+        con.execute("INSERT INTO results (job_name, row_id, group_key, run_id, status, prompt_tokens, completion_tokens, "
+                    "cached_prompt_tokens, latency_ms, created_at_utc) VALUES ('j', ?, 'g', ?, 'ok', 1, 1, 0, 1, ?)",
+                    (f"r{i}", run2, at))
+    con.commit()
+    assert s.mark_abandoned_runs("j") == 1
+    assert s.run(run2)["ended_at_utc"] == "2030-01-01T00:00:09.000+00:00"
 
 
 def test_unopenable_database_is_a_store_error(tmp_path):
