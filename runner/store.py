@@ -271,11 +271,16 @@ class Store(SpeculationRecords):
             return [dict(r) for r in conn.execute(q).mappings()]
 
     def results_of(self, run_id: Optional[int] = None, job_name: Optional[str] = None) -> Iterable[dict]:
-        """A run's results, or a job's (its latest result for each row, whichever run made it)."""
+        """A run's results, those a later run replaced included (from results_history), or a job's
+        (its latest result for each row, whichever run made it)."""
         where = self.results.c.run_id == run_id if job_name is None else self.results.c.job_name == job_name
         with self.engine.connect() as conn:
             for r in conn.execute(select(self.results).where(where).order_by(self.results.c.id)).mappings():
                 yield dict(r)
+            if job_name is None:
+                h = self.history.c
+                for r in conn.execute(select(self.history).where(h.run_id == run_id).order_by(h.id)).mappings():
+                    yield dict(r)
 
     def _tx(self) -> Transaction:
         return Transaction(self.engine, self.path)

@@ -68,6 +68,16 @@ def test_a_changed_schema_redoes_the_stored_rows_and_keeps_the_old_ones(make_job
     assert history == before  # nothing lost
     status = invoke("status", job)
     assert "current" in status.output and "results_history: 6" in status.output
+    # the first run's export is still its own rows, as it made them, and says which run and job made them
+    got = {}
+    for run_id in (1, 3):
+        out = CliRunner().invoke(cli, ["export", str(run_id), "--db", str(db), "--format", "jsonl"])
+        assert out.exit_code == 0, out.output
+        got[run_id] = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["row_id"], r["fingerprint"], r["extraction_json"]) for r in got[1]] == before
+    assert [(r["row_id"], r["fingerprint"], r["extraction_json"]) for r in got[3]] == after
+    assert {r["run_id"] for r in got[1]} == {1} and {r["run_id"] for r in got[3]} == {3}
+    assert all(r["output_text"] and r["created_at_utc"] for r in got[1] + got[3])
 
 
 def test_changed_sampling_names_the_field_and_a_new_row_runs_alone(make_job, tmp_path):
