@@ -83,6 +83,7 @@ class ResultCollector:
             again = replace(f.request, max_tokens=budget, attempt=f.attempt + 1)
             self.in_flight[c.row_id] = InFlight(again, f.attempt + 1, checked.status)
             self.retries.append(again)
+            self.rb.count_retry(again)
             return
         self._store(c, f.request.group_key, checked.status, checked.extraction_json, checked.error, f)
 

@@ -33,9 +33,20 @@ class RequestBuilder:
         self.groups: dict[str, GroupSummary] = {}  # what was planned, for the prefix-share bound
         self.build_s = self.read_s = 0.0  # tokenizing and reading (in the reading thread)
         self.bound = PrefixCacheBound(job.block_tokens)
+        # retries (the driver's thread; the groups above are the reading thread's): their prompts again
+        self.retried = GroupSummary("(retries)", "")
 
     def plan(self) -> PlanSummary:
-        return PlanSummary(list(self.groups.values()), tokens_exact=True, block_tokens=self.job.block_tokens)
+        """What the run planned, its retries included: the bound of the hit rate it measures."""
+        extra = [self.retried] if self.retried.prompt_tokens else []
+        return PlanSummary(list(self.groups.values()) + extra, tokens_exact=True, block_tokens=self.job.block_tokens)
+
+    def count_retry(self, request: Request) -> None:
+        """A retry sends a prompt vLLM has seen: every whole block but the one holding the last
+        token (which vLLM always computes) can be a hit."""
+        n, bt = len(request.prompt_token_ids), self.job.block_tokens
+        self.retried.prompt_tokens += n
+        self.retried.cacheable_tokens += (n - 1) // bt * bt
 
     def stream(self, groups: Iterable[Group]) -> Iterator[tuple[str, list[Request | Completion]]]:
         """(group key, built chunk) for every chunk of every planned group."""

@@ -101,6 +101,11 @@ def test_retry_once_with_larger_budget_when_enabled(make_job):
     assert (rows["r001"]["status"], rows["r001"]["attempts"], rows["r001"]["first_status"]) == ("ok", 2, "invalid_json")
     assert (rows["r002"]["status"], rows["r002"]["attempts"], rows["r002"]["first_status"]) == ("invalid_json", 2, "invalid_json")
     assert (rows["r000"]["attempts"], rows["r000"]["first_status"]) == (1, None)
+    # a retry sends its prompt again, all of it cached: the plan's bound counts it too, so that
+    # the run's hit rate never exceeds its bound
+    con = sqlite3.connect(job.database_path)
+    hit, bound = con.execute("SELECT prefix_cache_hit_rate, plan_prefix_share FROM run_stats").fetchone()
+    assert 0 < hit <= bound
 
 
 def test_too_long_document_fails_or_is_truncated(make_job, tmp_path):
