@@ -225,6 +225,9 @@ def runner_result(d: Path) -> dict:
         "rows": s["rows_total"], "rows_valid": valid, "finish_reasons": finish,
         "calibration": choice.get("speculative_calibration"),
         "engine_starts_s": choice.get("engine_starts_s"), "grammar": choice.get("grammar"),  # measured or cached
+        # the process's time before the run (Python, imports, input scan, the grammar measurement)
+        # and the driver's own (reading, tokenizing, checking, storing): where "own work" goes
+        "before_run_s": choice.get("before_run_s"), "runner_loop": choice.get("runner_loop"),
         "engines": [{k: v for k, v in e.items() if k != "settings"} for e in choice.get("engines", [])],
         # one hash of each engine's vLLM settings: runs whose starts differ may differ in settings
         "settings_sha": [hashlib.sha256(json.dumps(e.get("settings"), sort_keys=True, default=str).encode()).hexdigest()[:12]
