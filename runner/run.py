@@ -118,9 +118,9 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     store.check_integrity()
     if opts.on_input_ok is not None:
         opts.on_input_ok()
+    store.mark_abandoned_runs(job.name)  # first: a killed run ended at its last stored row, deleted below
     if opts.restart:
         store.delete_results(job.name)
-    store.mark_abandoned_runs(job.name)
     work = _work(store, job, scan, opts.retry_failed)  # the fingerprint has the backend as configured
     try:
         job, work.grammar = job_with_grammar(job)  # one backend for every engine; measured while vLLM imports

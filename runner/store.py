@@ -116,7 +116,7 @@ class Store(SpeculationRecords):
             return conn.execute(update(self.runs).where(
                 self.runs.c.job_name == job_name, self.runs.c.status == "running"
             ).values(status="interrupted", ended_at_utc=func.coalesce(last_row, self.runs.c.started_at_utc),
-                     error="process ended before the run finished (ended_at_utc: its last stored row)")).rowcount
+                     error="process ended before the run finished (ended_at_utc: its last stored row, or its start)")).rowcount
 
     # -- results ----------------------------------------------------------------------------
     def done_row_ids(self, job_name: str, fingerprint: Optional[str] = None, ok_only: bool = False) -> set[str]:

@@ -334,3 +334,21 @@ def test_a_run_stopped_right_after_its_row_exists_ends_interrupted(make_job, tmp
         run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema), notify=notify)
     con = sqlite3.connect(job.database_path)
     assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
+
+
+def test_restart_after_a_killed_run_keeps_when_that_run_ended(make_job):
+    """--restart deletes the stored rows; the killed run is closed first, at its last stored row."""
+    from runner.engines.fake import FakeEngine
+    from runner.run import run_job
+    from runner.spec import load_job
+    from runner.store import Store
+
+    job = load_job(make_job(rows=3))
+    run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
+    killed = Store(job.database_path).begin_run(job.name, str(job.path), {})  # left 'running', as by SIGKILL
+    con = sqlite3.connect(job.database_path)
+    con.execute("UPDATE results SET run_id = ?, created_at_utc = '2030-01-01T00:00:09.000+00:00'", (killed,))
+    con.commit()
+    run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema), restart=True)
+    assert con.execute("SELECT status, ended_at_utc FROM runs WHERE id = ?", (killed,)).fetchone() == \
+        ("interrupted", "2030-01-01T00:00:09.000+00:00")
