@@ -214,7 +214,7 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
     choice, completed = None, False
     try:
         if work.todo:  # every row is stored already: a rerun from cron costs no engine start
-            choice = _generate(job, engines, collector, source, ctx)
+            choice = _generate(job, engines, collector, source, ctx, partial)
         completed = True
     finally:
         if ahead is not None:  # the reading thread stops here, read to the end or not
@@ -223,28 +223,31 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
         engines.stop(completed)
         if progress is not None and hasattr(progress, "close"):
             progress.close()
+        timing = {"wall_s": clock() - t_start, "before_run_s": t_run - t_start, "wall_from": wall_from}
         if not completed and sum(collector.counts.values()):
             try:  # what the stopped run did; its own failure must not hide the one that stopped it
-                partial["stats"] = _stats(collector, engines, work, opts, choice, clock() - t_start, t_run - t_start,
-                                          wall_from)
+                # No plan bound: the plan covers rows built ahead that never ran, and the engine's
+                # counters rows in flight that were never stored. Rows run again: those it replaced.
+                partial["stats"] = _stats(collector, engines, work, opts, partial.get("choice"), timing,
+                                          plan_share=None, redone=store.rows_replaced_by(run_id))
             except Exception:
                 pass
-    stats = _stats(collector, engines, work, opts, choice, clock() - t_start, t_run - t_start, wall_from)
+    stats = _stats(collector, engines, work, opts, choice, timing, collector.rb.plan().prefix_share, work.redone)
     store.finish_run(run_id, "completed", stats=stats)
     return RunSummary(run_id, str(job.database_path), 0, 0, dict(collector.counts), stats.as_dict())
 
 
 def _stats(collector: ResultCollector, engines: EngineSequence, work: Work, opts: RunOptions, choice: Optional[dict],
-           wall_s: float, before_run_s: float, wall_from: str) -> StatsRow:
+           timing: dict, plan_share: Optional[float], redone: int) -> StatsRow:
     """The run's stats row: throughput, cache hits, tokens, and how the engine was chosen and started."""
-    stats = StatsRow.build(collector.counts, collector.tokens, engines.used, wall_s=wall_s,
-                           load_s=engines.load_s, gen_s=engines.gen_s, plan_share=collector.rb.plan().prefix_share,
-                           skipped=work.skipped, redone=work.redone)
+    stats = StatsRow.build(collector.counts, collector.tokens, engines.used, wall_s=timing["wall_s"],
+                           load_s=engines.load_s, gen_s=engines.gen_s, plan_share=plan_share,
+                           skipped=work.skipped, redone=redone)
     stats.engine_choice_json = json.dumps({"speculative_calibration": choice, "engines": engines.adaptations,
                                            "engine_starts_s": [round(x, 3) for x in engines.starts],
                                            "runner_loop": collector.times(), "notes": work.notes,
-                                           "grammar": work.grammar, "before_run_s": round(before_run_s, 3),
-                                           "wall_from": wall_from, "lock_wait_s": round(opts.lock_wait_s, 3),
+                                           "grammar": work.grammar, "before_run_s": round(timing["before_run_s"], 3),
+                                           "wall_from": timing["wall_from"], "lock_wait_s": round(opts.lock_wait_s, 3),
                                            "spec_acceptance_by_position": _by_position(engines.used)})
     return stats
 
@@ -255,12 +258,13 @@ def _by_position(used) -> list[float]:
 
 
 def _generate(job: Job, engines: EngineSequence, collector: ResultCollector, source: Iterator,
-              ctx: CalibrationContext) -> Optional[dict]:
+              ctx: CalibrationContext, partial: dict) -> Optional[dict]:
     """Start the engine (choosing speculation with `speculative: auto`), run every row, then the
-    retries. Returns the calibration record, if any."""
+    retries. Returns the calibration record, if any (also left in `partial`, for a run stopped later)."""
     choice = None
     if job.engine.speculative == "auto":
         choice, source = calibrate(job, engines, collector, source, ctx)
+        partial["choice"] = choice
     else:
         engines.start(job)
     while True:

@@ -260,6 +260,12 @@ class Store(SpeculationRecords):
             row = conn.execute(select(self.run_stats).where(self.run_stats.c.run_id == run_id)).mappings().first()
             return dict(row) if row else None
 
+    def rows_replaced_by(self, run_id: int) -> int:
+        """Stored rows that run_id made again (moved to results_history when it stored its own)."""
+        q = select(func.count()).select_from(self.history).where(self.history.c.replaced_by_run_id == run_id)
+        with self.engine.connect() as conn:
+            return conn.execute(q).scalar()
+
     def result_counts(self, run_id: int) -> dict[str, int]:
         q = select(self.results.c.status, func.count()).where(self.results.c.run_id == run_id).group_by(self.results.c.status)
         with self.engine.connect() as conn:

@@ -1,6 +1,7 @@
 """Crash safety: SIGKILL at random points, overlapping runs, and the lock's release on death."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -352,3 +353,33 @@ def test_restart_after_a_killed_run_keeps_when_that_run_ended(make_job):
     run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema), restart=True)
     assert con.execute("SELECT status, ended_at_utc FROM runs WHERE id = ?", (killed,)).fetchone() == \
         ("interrupted", "2030-01-01T00:00:09.000+00:00")
+
+
+def test_a_run_that_fails_midway_stores_what_it_did_and_how_its_engine_was_chosen(make_job):
+    """Stats of a stopped run cover its stored rows: the rows it replaced (not all it planned to
+    redo), no plan bound (the plan holds rows that never ran), and its speculation choice."""
+    from runner.engines.fake import FakeEngine
+    from runner.errors import EngineError
+    from runner.run import run_job
+    from runner.spec import load_job
+
+    path = make_job(rows=40, job={"output": {"commit_every_rows": 5}})
+    run_job(load_job(path), engine_factory=lambda j: FakeEngine(j.output_schema))
+    job = load_job(path, ["sampling.max_tokens=70", "engine.speculative=auto", "engine.calibration.rows=4"])  # all again
+    answered = []
+
+    def respond(r):
+        if len(answered) == 25:  # after calibration
+            raise EngineError("the engine core died")
+        answered.append(r.row_id)
+        return json.dumps({"summary": "s", "sentiment": "positive"})
+
+    with pytest.raises(EngineError):
+        run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema, respond=respond))
+    con = sqlite3.connect(job.database_path)
+    assert con.execute("SELECT status FROM runs WHERE id = 2").fetchone() == ("failed",)
+    total, redone, bound, choice = con.execute(
+        "SELECT rows_total, rows_redone, plan_prefix_share, engine_choice_json FROM run_stats WHERE run_id = 2").fetchone()
+    replaced = con.execute("SELECT count(*) FROM results_history WHERE replaced_by_run_id = 2").fetchone()[0]
+    assert 0 < total < 40 and redone == replaced == total and bound is None
+    assert json.loads(choice)["speculative_calibration"]["calibration_id"] >= 1
