@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from runner.errors import OutputClosed, OutputFileError, StoreError
-from runner.rows import EXPORT_COLUMNS
+from runner.rows import EXPORT_COLUMNS, EXPORT_COLUMNS_ADDED
 from runner.store import Store
 
 FORMATS = ("parquet", "csv", "jsonl")
@@ -38,10 +38,11 @@ def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path
     fields = flat_fields(json.loads(run["config_json"]).get("output_schema", {}))
     cols: dict[str, list] = {c: [] for c in EXPORT_COLUMNS}
     cols.update({_col(f, scalar): [] for f, scalar in fields.items()})
+    cols.update({c: [] for c in EXPORT_COLUMNS_ADDED})
     n = 0
     for r in store.results_of(run_id, job_name):
         n += 1
-        for c in EXPORT_COLUMNS:
+        for c in EXPORT_COLUMNS + EXPORT_COLUMNS_ADDED:
             cols[c].append(r[c])
         value = json.loads(r["extraction_json"]) if r["extraction_json"] else {}
         for f, scalar in fields.items():

@@ -216,9 +216,15 @@ def m009_verification_discordant_rows(conn: Connection) -> None:
     conn.exec_driver_sql("ALTER TABLE verifications ADD COLUMN rows_changed_by_engine_only INTEGER")
 
 
+def m010_history_by_run(conn: Connection) -> None:
+    # `runner export RUN`, `report RUN` and `stats RUN` read a run's replaced rows back from
+    # results_history: found by run, not by scanning the whole history.
+    conn.exec_driver_sql("CREATE INDEX results_history_run ON results_history (run_id, status)")
+
+
 MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations, m005_fingerprints,
               m006_verifications_and_drafts, m007_output_token_ids, m008_rejected_rows,
-              m009_verification_discordant_rows]
+              m009_verification_discordant_rows, m010_history_by_run]
 
 
 def utc_now() -> str:

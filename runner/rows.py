@@ -58,12 +58,13 @@ class ResultRow:
 
 _RESULT_FIELDS = tuple(f.name for f in fields(ResultRow))
 RESULT_COLUMNS = (*_RESULT_FIELDS, "created_at_utc")  # every column of `results` but its id
-# What an export holds of each result; new columns go last, so that readers by position keep working.
+# What an export holds of each result: these, then the extraction's fields as columns, then
+# EXPORT_COLUMNS_ADDED (columns added later go last, so that readers by position keep working).
 EXPORT_COLUMNS = ("row_id", "group_key", "status", "error", "prompt_tokens", "completion_tokens",
-                  "cached_prompt_tokens", "finish_reason", "latency_ms", "attempts", "first_status", "extraction_json",
-                  # which run made the row, with what job (a fingerprint: model, prompts, schema...), when,
-                  # and the model's raw text (what an invalid or cut-off row said)
-                  "run_id", "fingerprint", "created_at_utc", "output_text")
+                  "cached_prompt_tokens", "finish_reason", "latency_ms", "attempts", "first_status", "extraction_json")
+# which run made the row, with what job (a fingerprint: model, prompts, schema...), when, and the
+# model's raw text (what an invalid or cut-off row said)
+EXPORT_COLUMNS_ADDED = ("run_id", "fingerprint", "created_at_utc", "output_text")
 
 
 def _rate(num: float, den: float) -> Optional[float]:

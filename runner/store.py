@@ -14,7 +14,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from sqlalchemy import MetaData, func, select, update
+from sqlalchemy import MetaData, func, select, union_all, update
 from sqlalchemy.dialects.sqlite import insert
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -267,9 +267,14 @@ class Store(SpeculationRecords):
             return conn.execute(q).scalar()
 
     def result_counts(self, run_id: int) -> dict[str, int]:
-        q = select(self.results.c.status, func.count()).where(self.results.c.run_id == run_id).group_by(self.results.c.status)
+        """A run's rows by status, those a later run replaced included (as export and report show them)."""
+        out: dict[str, int] = {}
         with self.engine.connect() as conn:
-            return {s: n for s, n in conn.execute(q)}
+            for table in (self.results, self.history):
+                q = select(table.c.status, func.count()).where(table.c.run_id == run_id).group_by(table.c.status)
+                for status, n in conn.execute(q):
+                    out[status] = out.get(status, 0) + n
+        return out
 
     def samples(self, run_id: int) -> list[dict]:
         q = select(self.run_samples).where(self.run_samples.c.run_id == run_id).order_by(self.run_samples.c.elapsed_s)
@@ -279,14 +284,16 @@ class Store(SpeculationRecords):
     def results_of(self, run_id: Optional[int] = None, job_name: Optional[str] = None) -> Iterable[dict]:
         """A run's results, those a later run replaced included (from results_history), or a job's
         (its latest result for each row, whichever run made it)."""
-        where = self.results.c.run_id == run_id if job_name is None else self.results.c.job_name == job_name
+        if job_name is not None:
+            q = select(self.results).where(self.results.c.job_name == job_name).order_by(self.results.c.id)
+        else:  # in the order the run stored them: a replaced row keeps its id in results_history
+            cols = [self.results.c[c] for c in self.results.c.keys()]
+            q = union_all(select(*cols).where(self.results.c.run_id == run_id),
+                          select(*[self.history.c[c] for c in self.results.c.keys()]).where(self.history.c.run_id == run_id))
+            q = q.order_by(q.selected_columns.id)
         with self.engine.connect() as conn:
-            for r in conn.execute(select(self.results).where(where).order_by(self.results.c.id)).mappings():
+            for r in conn.execute(q).mappings():
                 yield dict(r)
-            if job_name is None:
-                h = self.history.c
-                for r in conn.execute(select(self.history).where(h.run_id == run_id).order_by(h.id)).mappings():
-                    yield dict(r)
 
     def _tx(self) -> Transaction:
         return Transaction(self.engine, self.path)

@@ -78,6 +78,9 @@ def test_a_changed_schema_redoes_the_stored_rows_and_keeps_the_old_ones(make_job
     assert [(r["row_id"], r["fingerprint"], r["extraction_json"]) for r in got[3]] == after
     assert {r["run_id"] for r in got[1]} == {1} and {r["run_id"] for r in got[3]} == {3}
     assert all(r["output_text"] and r["created_at_utc"] for r in got[1] + got[3])
+    # the columns added later come after the extraction's, where readers by position do not look
+    assert list(got[1][0])[-6:] == ["extraction_sentiment", "extraction_summary", "run_id", "fingerprint",
+                                    "created_at_utc", "output_text"]
 
 
 def test_changed_sampling_names_the_field_and_a_new_row_runs_alone(make_job, tmp_path):
@@ -201,3 +204,22 @@ def test_quiet_prints_nothing_and_engine_output_goes_to_the_log(make_job, tmp_pa
 def test_status_needs_a_database(make_job, command):
     out = invoke(command, make_job(rows=2))
     assert out.exit_code == 6 and "no results database here yet" in out.output
+
+
+def test_a_run_half_replaced_later_still_shows_and_exports_all_its_rows_in_order(make_job, tmp_path):
+    job = make_job(rows=12)
+    db = tmp_path / "out" / "results.sqlite"
+
+    def exported() -> list[str]:
+        out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "jsonl"])
+        return [json.loads(line)["row_id"] for line in out.stdout.splitlines()]
+
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    first = exported()
+    out = invoke("run", "--engine", "fake", "--quiet", "--limit", 6, "--set", "sampling.max_tokens=65", job)
+    assert out.exit_code == 0, out.output
+    replaced = sqlite3.connect(db).execute("SELECT count(*) FROM results_history WHERE run_id = 1").fetchone()[0]
+    assert 0 < replaced < 12  # run 2 made some of run 1's rows again
+    assert sorted(first) == [f"r{i:03d}" for i in range(12)] and exported() == first  # all, in the order stored
+    got = json.loads(invoke("stats", "1", "--db", db, "--json").output)
+    assert got[0]["rows_by_status"] == {"ok": 12}  # as export and report count them
