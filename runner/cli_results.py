@@ -20,6 +20,8 @@ def _open_store(job, db, overrides=()):
     job_name = None
     if job and db:  # silently reading one of them would show another job's results
         raise SpecError("give --job JOB or --db DATABASE, not both")
+    if overrides and not job:
+        raise SpecError("--set changes a job's settings: give it with --job JOB, not --db")
     if job:
         from runner.spec import load_job
 

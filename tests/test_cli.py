@@ -75,6 +75,8 @@ def test_run_with_fake_engine_then_stats(invoke, make_job, tmp_path):
     for command in (["stats"], ["report", "1"], ["export", "--format", "csv"]):  # which one would it read?
         out = CliRunner().invoke(cli, [*command, "--job", str(job), "--db", str(other)])
         assert out.exit_code == 2 and out.output == "Error: give --job JOB or --db DATABASE, not both\n"
+        out = CliRunner().invoke(cli, [*command, "--db", str(other), "--set", "output.database=elsewhere.sqlite"])
+        assert out.exit_code == 2 and out.output.startswith("Error: --set changes a job's settings")
 
 
 @pytest.mark.parametrize("break_it, code, message", [
