@@ -238,7 +238,7 @@ def plan(job, overrides):
       runner plan jobs/summarize.yaml
     """
     from runner.errors import ModelError
-    from runner.plan import summarize_plan
+    from runner.plan import CharEstimate, summarize_plan
     from runner.prompting import builder_for
     from runner.readers import LocalReader
     from runner.spec import load_job
@@ -248,8 +248,8 @@ def plan(job, overrides):
     scan = reader.scan()
     try:
         builder = builder_for(spec)
-    except ModelError:
-        builder = None
+    except ModelError:  # not prepared yet: estimated from the characters
+        builder = CharEstimate(spec.spec.prompts.user_template, [e.model_dump() for e in spec.spec.prompts.examples])
     p = summarize_plan(reader.documents(spec.system_source, scan.skip), builder, spec.block_tokens)
     say(f"{'group':<12}  {'rows':>7}  {'prompt tok':>11}  {'system tok':>10}  {'cacheable':>9}  system prompt")
     for g in p.groups:

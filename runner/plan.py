@@ -7,6 +7,7 @@ run in order of first appearance and rows keep their input order, so a plan is d
 from __future__ import annotations
 
 import hashlib
+import string
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
@@ -147,10 +148,39 @@ class PlanSummary:
         return sum(g.cacheable_tokens for g in self.groups) / total if total else 0.0
 
 
-def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder],
+class CharEstimate:
+    """Prompt sizes without the model's tokenizer (a model not prepared yet): about four characters a
+    token. What every prompt of a group shares: its system prompt, the few-shot turns and the user
+    template's text before its first field."""
+
+    CHARS_PER_TOKEN = 4
+    MARKUP_TOKENS = 8  # the chat template's role markers, about
+
+    def __init__(self, user_template: str = "{text}", examples: Iterable[dict] = ()):
+        self.user_template = user_template
+        self.examples_chars = sum(len(e.get("content") or "") for e in examples)
+        self.user_head_chars = 0  # the literal text before the first field ("{{" is one literal "{")
+        for literal, field_name, _, _ in string.Formatter().parse(user_template):
+            self.user_head_chars += len(literal)
+            if field_name is not None:
+                break
+
+    def user_text(self, doc: Document) -> str:
+        return self.user_template.format_map({**doc.fields, "text": doc.text})
+
+    def system_prefix_tokens(self, system: Optional[str]) -> int:
+        return (len(system or "") + self.examples_chars + self.user_head_chars) // self.CHARS_PER_TOKEN
+
+    def prompt_tokens(self, system: Optional[str], user: str) -> int:
+        return (len(system or "") + self.examples_chars + len(user)) // self.CHARS_PER_TOKEN + self.MARKUP_TOKENS
+
+
+def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder | CharEstimate],
                    block_tokens: int = DEFAULT_BLOCK_TOKENS, batch: int = 512) -> PlanSummary:
-    """Count rows and prompt tokens per group over the whole input (one group record per prompt)."""
-    summary = PlanSummary([], tokens_exact=builder is not None, block_tokens=block_tokens)
+    """Count rows and prompt tokens per group over the whole input (one group record per prompt):
+    with the model's tokenizer, or estimated (a CharEstimate, or None for one of the text alone)."""
+    builder = CharEstimate() if builder is None else builder
+    summary = PlanSummary([], tokens_exact=not isinstance(builder, CharEstimate), block_tokens=block_tokens)
     groups: dict[str, GroupSummary] = {}
     bound = PrefixCacheBound(block_tokens)
     pending: list[Document] = []
@@ -164,7 +194,7 @@ def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder],
     return summary
 
 
-def _count(docs: list[Document], builder: Optional[PromptBuilder], groups: dict[str, GroupSummary],
+def _count(docs: list[Document], builder: PromptBuilder | CharEstimate, groups: dict[str, GroupSummary],
            bound: PrefixCacheBound, summary: "PlanSummary") -> None:
     """Tokenize a batch, a system prompt at a time (in parallel in the tokenizer), and count it."""
     by_prompt: dict[Optional[str], list[Document]] = {}
@@ -175,14 +205,9 @@ def _count(docs: list[Document], builder: Optional[PromptBuilder], groups: dict[
         g = groups.get(key)
         if g is None:
             preview = (system or "(no system prompt)").strip().replace("\n", " ")[:60]
-            prefix = builder.system_prefix_tokens(system) if builder else len(system or "") // 4
-            g = groups[key] = GroupSummary(key, preview, prefix_tokens=prefix)
-        if builder is None:  # no tokenizer: about four characters a token; every row after a
-            # group's first reuses its system prompt's whole blocks
-            hits = len(rows) - (1 if g.rows == 0 else 0)
-            g.cacheable_tokens += hits * (g.prefix_tokens // bound.block_tokens) * bound.block_tokens
-            g.rows += len(rows)
-            g.prompt_tokens += sum((len(system or "") + len(d.text)) // 4 + 8 for d in rows)
+            g = groups[key] = GroupSummary(key, preview, prefix_tokens=builder.system_prefix_tokens(system))
+        if isinstance(builder, CharEstimate):
+            _estimate(rows, system, g, builder, bound.block_tokens, summary)
             continue
         texts = []
         for d in rows:
@@ -194,3 +219,20 @@ def _count(docs: list[Document], builder: Optional[PromptBuilder], groups: dict[
             g.rows += 1
             g.prompt_tokens += len(ids)
             g.cacheable_tokens += bound.add(ids, head=(key, builder.head_tokens(system)))
+
+
+def _estimate(rows: list[Document], system: Optional[str], g: GroupSummary, est: CharEstimate, block_tokens: int,
+              summary: "PlanSummary") -> None:
+    """Count a batch of one group without a tokenizer: every row after the group's first reuses the
+    whole blocks of the shared prefix (as vLLM, never the block of a prompt's last token)."""
+    shared = g.prefix_tokens // block_tokens * block_tokens
+    for d in rows:
+        try:
+            n = est.prompt_tokens(system, est.user_text(d))
+        except (KeyError, ValueError, TypeError, IndexError, AttributeError):
+            summary.rows_without_prompt += 1  # a run stores such a row as failed
+            continue
+        if g.rows:
+            g.cacheable_tokens += min(shared, (n - 1) // block_tokens * block_tokens)
+        g.rows += 1
+        g.prompt_tokens += n

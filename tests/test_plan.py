@@ -78,6 +78,21 @@ def test_without_a_tokenizer_the_bound_is_estimated_from_each_groups_system_prom
     assert s.prefix_share == 4 * 128 / s.prompt_tokens
 
 
+def test_the_estimate_counts_few_shot_turns_and_the_user_templates_fixed_head_as_shared():
+    """No system prompt, but long few-shot turns and instructions before the document: most of each
+    prompt is shared, and the estimate says so."""
+    from runner.plan import CharEstimate
+
+    est = CharEstimate("Instructions: " + "be brief. " * 50 + "{{literal}}\nDocument: {text}",
+                       examples=[{"role": "user", "content": "x" * 800}, {"role": "assistant", "content": "y" * 400}])
+    assert est.user_head_chars == len("Instructions: " + "be brief. " * 50 + "{literal}\nDocument: ")
+    rows = [Document(f"r{i}", "a short document", None, {}) for i in range(10)]
+    s = summarize_plan(rows, est, block_tokens=16)
+    shared = est.system_prefix_tokens(None) // 16 * 16
+    assert shared > 400 and s.groups[0].cacheable_tokens == 9 * shared
+    assert 0.8 < s.prefix_share < 0.9 and not s.tokens_exact
+
+
 def test_prompt_builder_matches_the_models_chat_template(model_dir):
     from transformers import PreTrainedTokenizerFast  # AutoTokenizer's class for this folder derives from it
 
