@@ -147,7 +147,7 @@ def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Stor
                   run_id: int) -> RunSummary:
     """The run once its row exists: whatever stops it, the row ends interrupted or failed, with the
     stats of the rows it stored (a nightly run stopped at its deadline still shows its speed)."""
-    partial: dict = {}  # _execute leaves the stopped run's stats here
+    partial: dict = {}  # where _execute and _generate leave a stopped run's stats and speculation choice
     try:
         if scan.skip:
             store.save_rejected(run_id, job.name, scan.rejected)
