@@ -7,13 +7,17 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from runner.errors import OutputClosed, OutputFileError, StoreError
 from runner.rows import EXPORT_COLUMNS, EXPORT_COLUMNS_ADDED
 from runner.store import Store
 
 FORMATS = ("parquet", "csv", "jsonl")
+BATCH_ROWS = 20_000  # rows an export holds in memory at once
+# Arrow types of the result's own columns (the rest are text)
+_COLUMN_TYPES = {c: "int64" for c in ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "attempts", "run_id")} \
+    | {"latency_ms": "float64"}
 _SCALARS = {"string", "integer", "number", "boolean"}
 
 
@@ -31,39 +35,111 @@ def flat_fields(schema: dict) -> dict[str, bool]:
 
 def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path], job_name: Optional[str] = None) -> int:
     """Write run_id's results (or, with job_name, the job's latest result for every row) to `out`,
-    or to stdout when out is None; returns the number of rows."""
+    or to stdout when out is None; returns the number of rows. Streamed in batches of
+    BATCH_ROWS: a first pass over the rows fixes each extraction column's type, so memory stays
+    bounded whatever the job's size."""
     run = store.run(run_id) if job_name is None else next(iter(store.latest_runs(job_name, 1)), None)
     if run is None:
         raise StoreError(f"{store.path}: no run {run_id}" if job_name is None else f"{store.path}: no runs of {job_name}")
-    fields = flat_fields(json.loads(run["config_json"]).get("output_schema", {}))
-    cols: dict[str, list] = {c: [] for c in EXPORT_COLUMNS}
-    cols.update({_col(f, scalar): [] for f, scalar in fields.items()})
-    cols.update({c: [] for c in EXPORT_COLUMNS_ADDED})
-    n = 0
-    for r in store.results_of(run_id, job_name):
-        n += 1
-        for c in EXPORT_COLUMNS + EXPORT_COLUMNS_ADDED:
-            cols[c].append(r[c])
-        value = json.loads(r["extraction_json"]) if r["extraction_json"] else {}
-        for f, scalar in fields.items():
-            v = value.get(f) if isinstance(value, dict) else None
-            cols[_col(f, scalar)].append(v if scalar or v is None else json.dumps(v, ensure_ascii=False))
-    import pyarrow as pa
-
     if fmt not in FORMATS:
         raise StoreError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
-    table = pa.table({c: _array(v) for c, v in cols.items()})
+    fields = flat_fields(json.loads(run["config_json"]).get("output_schema", {}))
+    schema = _schema(fields, _field_kinds(store.results_of(run_id, job_name), fields))
+    written = [0]
+
+    def write(sink) -> None:
+        written[0] = _write(_tables(store.results_of(run_id, job_name), fields, schema), schema, fmt, sink)
+
     if out is not None:
-        write_whole(out, lambda part: _write(table, fmt, part))
-        return n
+        write_whole(out, write)
+        return written[0]
     try:
-        _write(table, fmt, None)
+        write(None)
         sys.stdout.flush()
     except OSError as exc:
         if isinstance(exc, BrokenPipeError) or exc.errno == errno.EPIPE or "Broken pipe" in str(exc):
             raise OutputClosed("standard output was closed by its reader") from None
         raise OutputFileError(f"standard output: cannot write: {exc.strerror or exc}") from None
-    return n
+    return written[0]
+
+
+def _value(r: dict) -> dict:
+    value = json.loads(r["extraction_json"]) if r["extraction_json"] else {}
+    return value if isinstance(value, dict) else {}
+
+
+def _field_kinds(rows: Iterable[dict], fields: dict[str, bool]) -> dict[str, set[str]]:
+    """The kinds of value each scalar field holds over all rows (a model may answer 3 or 3.5 or "3")."""
+    kinds: dict[str, set[str]] = {f: set() for f, scalar in fields.items() if scalar}
+    for r in rows:
+        value = _value(r)
+        for f, seen in kinds.items():
+            v = value.get(f)
+            if v is not None:
+                seen.add(_kind(v))
+    return kinds
+
+
+def _kind(v) -> str:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int" if -2**63 <= v < 2**63 else "str"
+    return "float" if isinstance(v, float) else "str"
+
+
+def _schema(fields: dict[str, bool], kinds: dict[str, set[str]]):
+    """The export's columns and types: the result's own, the extraction's fields, the added ones."""
+    import pyarrow as pa
+
+    def field_type(f: str, scalar: bool):
+        k = kinds.get(f, set())
+        if not scalar or k == {"str"}:
+            return pa.string()
+        if not k:
+            return pa.null()
+        if k == {"bool"}:
+            return pa.bool_()
+        if k == {"int"}:
+            return pa.int64()
+        return pa.float64() if k <= {"int", "float"} else pa.string()  # mixed: as text
+
+    return pa.schema([(c, _COLUMN_TYPES.get(c, "string")) for c in EXPORT_COLUMNS]
+                     + [(_col(f, scalar), field_type(f, scalar)) for f, scalar in fields.items()]
+                     + [(c, _COLUMN_TYPES.get(c, "string")) for c in EXPORT_COLUMNS_ADDED])
+
+
+def _tables(rows: Iterable[dict], fields: dict[str, bool], schema) -> Iterator:
+    """The rows as Arrow tables of BATCH_ROWS rows each (one, empty, when there are none)."""
+    import pyarrow as pa
+
+    batch: list[dict] = []
+    sent = False
+    for r in rows:
+        batch.append(r)
+        if len(batch) >= BATCH_ROWS:
+            yield _table(batch, fields, schema)
+            batch, sent = [], True
+    if batch or not sent:
+        yield _table(batch, fields, schema)
+
+
+def _table(rows: list[dict], fields: dict[str, bool], schema):
+    import pyarrow as pa
+
+    cols: dict[str, list] = {c: [r[c] for r in rows] for c in EXPORT_COLUMNS + EXPORT_COLUMNS_ADDED}
+    values = [_value(r) for r in rows]
+    for f, scalar in fields.items():
+        text = pa.types.is_string(schema.field(_col(f, scalar)).type)
+        cols[_col(f, scalar)] = [_cell(v.get(f), text) for v in values]
+    return pa.table({name: pa.array(cols[name], schema.field(name).type) for name in schema.names}, schema=schema)
+
+
+def _cell(v, text: bool):
+    """A field's value for its column: as it is, or as text in a text column (JSON for non-strings)."""
+    if v is None or not text or isinstance(v, str):
+        return v
+    return json.dumps(v, ensure_ascii=False)
 
 
 def write_whole(path: Path, write: Callable[[Path], None]) -> None:
@@ -81,22 +157,31 @@ def write_whole(path: Path, write: Callable[[Path], None]) -> None:
         raise OutputFileError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
 
-def _write(table, fmt: str, out: Optional[Path]) -> None:
+def _write(tables: Iterable, schema, fmt: str, out: Optional[Path]) -> int:
+    """Write the tables one after another to `out` (stdout when None); returns the rows written."""
     sink = str(out) if out is not None else sys.stdout.buffer
+    n = 0
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        pq.write_table(table, sink)
+        with pq.ParquetWriter(sink, schema) as w:
+            for t in tables:
+                w.write_table(t)
+                n += t.num_rows
     elif fmt == "csv":
         import pyarrow.csv as pcsv
 
-        pcsv.write_csv(table, sink)
+        with pcsv.CSVWriter(sink, schema) as w:
+            for t in tables:
+                w.write_table(t)
+                n += t.num_rows
     else:
-        lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in table.to_pylist())
-        if out is None:
-            _write_all(sys.stdout.buffer, lines.encode("utf-8"))
-        else:
-            out.write_text(lines, encoding="utf-8")
+        with (open(out, "wb") if out is not None else contextlib.nullcontext(sys.stdout.buffer)) as f:
+            for t in tables:
+                lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in t.to_pylist())
+                _write_all(f, lines.encode("utf-8"))
+                n += t.num_rows
+    return n
 
 
 def _write_all(stream, data: bytes) -> None:
@@ -112,13 +197,3 @@ def _write_all(stream, data: bytes) -> None:
 
 def _col(field: str, scalar: bool) -> str:
     return f"extraction_{field}" if scalar else f"extraction_{field}_json"
-
-
-def _array(values: list):
-    """An Arrow column; a field whose values mix types (a model may answer 3 or 3.5) becomes text."""
-    import pyarrow as pa
-
-    try:
-        return pa.array(values)
-    except (pa.ArrowInvalid, pa.ArrowTypeError):
-        return pa.array([None if v is None else str(v) for v in values], pa.string())

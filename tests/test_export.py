@@ -1,0 +1,68 @@
+"""runner export: streamed in batches, with each extraction column's type fixed over all rows."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from runner import export
+from runner.cli import cli
+from runner.engines.fake import FakeEngine
+from runner.run import run_job
+from runner.spec import load_job
+
+SCHEMA = {"type": "object", "properties": {"score": {"type": "integer"}, "weight": {"type": "number"},
+                                           "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["score", "weight", "tags"]}
+
+
+def answer(r) -> str:
+    i = int(r.row_id[1:])
+    # rows 0-9: whole scores; the last row a text score (a schema mismatch, stored as the model said it)
+    score = "high" if i == 10 else i
+    return json.dumps({"score": score, "weight": i if i % 2 else i + 0.5, "tags": [f"t{i}"]})
+
+
+@pytest.fixture
+def db(make_job):
+    job = load_job(make_job(rows=11, schema=SCHEMA))
+    run_job(job, engine_factory=lambda j: FakeEngine(SCHEMA, respond=answer))
+    return job.database_path
+
+
+def exported(db, fmt, tmp_path):
+    target = tmp_path / f"x.{fmt}"
+    out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", fmt, "-o", str(target)])
+    assert out.exit_code == 0, out.output
+    if fmt == "parquet":
+        return pq.read_table(target)
+    if fmt == "csv":
+        return list(csv.DictReader(io.StringIO(target.read_text())))
+    return [json.loads(line) for line in target.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("batch_rows", [3, 20_000])
+def test_a_column_whose_values_change_kind_in_a_later_batch_is_text_in_every_batch(db, tmp_path, monkeypatch,
+                                                                                    batch_rows):
+    monkeypatch.setattr(export, "BATCH_ROWS", batch_rows)  # 3: the text score arrives in the last of 4 batches
+    table = exported(db, "parquet", tmp_path)
+    assert table.num_rows == 11
+    assert str(table.schema.field("extraction_score").type) == "string"  # 0-9 and "high": as text
+    assert str(table.schema.field("extraction_weight").type) == "double"  # 0.5, 1, 2.5...: numbers
+    rows = {r["row_id"]: r for r in table.to_pylist()}
+    assert rows["r003"]["extraction_score"] == "3" and rows["r010"]["extraction_score"] == "high"
+    assert rows["r002"]["extraction_weight"] == 2.5 and rows["r003"]["extraction_weight"] == 3.0
+    assert json.loads(rows["r004"]["extraction_tags_json"]) == ["t4"]
+    assert rows["r010"]["status"] == "schema_mismatch" and rows["r010"]["run_id"] == 1
+
+
+def test_every_format_holds_the_same_rows_whatever_the_batch(db, tmp_path, monkeypatch):
+    whole = {fmt: exported(db, fmt, tmp_path) for fmt in ("csv", "jsonl")}
+    monkeypatch.setattr(export, "BATCH_ROWS", 2)
+    for fmt in ("csv", "jsonl"):
+        assert exported(db, fmt, tmp_path) == whole[fmt]  # one header, all 11 rows, in order
+    assert [r["row_id"] for r in whole["jsonl"]] == [r["row_id"] for r in whole["csv"]] and len(whole["csv"]) == 11
