@@ -6,6 +6,8 @@ records peak RSS (that process's maximum resident set, through a launcher: see t
 process, SQLite rows written per second of store time, the database size, and where the run's time
 went (read, tokenize and build, check, store: the run loop's own timers). Prints a table; writes JSON.
 
+Then `runner export` of the job in each format (--export), each row's raw output padded first.
+
     python bench/scale.py --rows 10000,100000,1000000 --out bench/results/DATE-cpu-scale.json
 """
 from __future__ import annotations
@@ -105,7 +107,24 @@ def measure(rows: int, a) -> dict:
                       "sqlite_rows_per_s": round(rows / loop["store_s"], 1) if loop.get("store_s") else None,
                       "time_s": loop, "database_mb": round(size / 2**20, 1)},
         "plan": plan | {"rows_per_s": round(rows / plan["wall_s"], 1)},
+        "export": export(work, job, a),
     }
+
+
+def export(work: Path, job: Path, a) -> dict:
+    """`runner export` of the whole job per format, after padding each row's raw output to
+    --pad-output-chars (the fake engine's answers are ~60 characters; a model's run longer)."""
+    import sqlite3
+
+    if not a.export:
+        return {}
+    con = sqlite3.connect(work / "results.sqlite")
+    con.execute("UPDATE results SET output_text = substr(output_text || printf('%.*c', ?, 'x'), 1, ?)",
+                (a.pad_output_chars, a.pad_output_chars))
+    con.commit()
+    con.close()
+    runner = [sys.executable, "-m", "runner.cli", "export", "--job", str(job)]
+    return {fmt: timed(runner + ["--format", fmt, "-o", str(work / f"export.{fmt}")]) for fmt in a.export.split(",")}
 
 
 def main() -> None:
@@ -116,6 +135,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/runner-scale")
     ap.add_argument("--out", default=None)
     ap.add_argument("--machine", default="this project's CPU machine (2 cores, 24 GiB)")
+    ap.add_argument("--export", default="parquet,csv,jsonl", help="formats to export the job in (empty: none)")
+    ap.add_argument("--pad-output-chars", type=int, default=2000, help="each row's raw output before the export")
     a = ap.parse_args()
     results = []
     for n in [int(x) for x in a.rows.split(",")]:
@@ -123,7 +144,9 @@ def main() -> None:
         results.append(r)
         print(f"{n:>9,} rows: run {r['run']['wall_s']:>7.1f} s  {r['run']['rows_per_s']:>8,.0f} rows/s  "
               f"peak {r['run']['peak_rss_mb']:>6.0f} MB  db {r['run']['database_mb']:>6.0f} MB | "
-              f"plan {r['plan']['wall_s']:>6.1f} s  peak {r['plan']['peak_rss_mb']:>6.0f} MB", file=sys.stderr, flush=True)
+              f"plan {r['plan']['wall_s']:>6.1f} s  peak {r['plan']['peak_rss_mb']:>6.0f} MB" +
+              "".join(f" | export {fmt} {e['wall_s']:.1f} s peak {e['peak_rss_mb']:.0f} MB" for fmt, e in r["export"].items()),
+              file=sys.stderr, flush=True)
     doc = {"machine": a.machine, "date": date.today().isoformat(), "results": results}
     print(json.dumps(doc, indent=1))
     if a.out:

@@ -14,7 +14,7 @@ from runner.rows import EXPORT_COLUMNS, EXPORT_COLUMNS_ADDED
 from runner.store import Store
 
 FORMATS = ("parquet", "csv", "jsonl")
-BATCH_ROWS = 20_000  # rows an export holds in memory at once
+BATCH_ROWS = 5_000  # rows an export holds in memory at once (a Parquet row group each)
 # Arrow types of the result's own columns (the rest are text)
 _COLUMN_TYPES = {c: "int64" for c in ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "attempts", "run_id")} \
     | {"latency_ms": "float64"}
