@@ -83,8 +83,8 @@ def _field_kinds(rows: Iterable[dict], fields: dict[str, bool]) -> dict[str, set
 def _kind(v) -> str:
     if isinstance(v, bool):
         return "bool"
-    if isinstance(v, int):
-        return "int" if -2**63 <= v < 2**63 else "str"
+    if isinstance(v, int):  # past 2**53 a double cannot hold it: beside floats, such a column is text
+        return "int" if abs(v) <= 2**53 else "bigint" if -2**63 <= v < 2**63 else "str"
     return "float" if isinstance(v, float) else "str"
 
 
@@ -100,7 +100,7 @@ def _schema(fields: dict[str, bool], kinds: dict[str, set[str]]):
             return pa.null()
         if k == {"bool"}:
             return pa.bool_()
-        if k == {"int"}:
+        if k <= {"int", "bigint"}:
             return pa.int64()
         return pa.float64() if k <= {"int", "float"} else pa.string()  # mixed: as text
 
@@ -132,7 +132,11 @@ def _table(rows: list[dict], fields: dict[str, bool], schema):
     for f, scalar in fields.items():
         text = pa.types.is_string(schema.field(_col(f, scalar)).type)
         cols[_col(f, scalar)] = [_cell(v.get(f), text) for v in values]
-    return pa.table({name: pa.array(cols[name], schema.field(name).type) for name in schema.names}, schema=schema)
+    try:
+        return pa.table({name: pa.array(cols[name], schema.field(name).type) for name in schema.names}, schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):  # a value the first pass did not see
+        raise StoreError("the results changed while they were exported (a run is storing rows): "
+                         "export again when it has ended") from None
 
 
 def _cell(v, text: bool):
@@ -151,10 +155,12 @@ def write_whole(path: Path, write: Callable[[Path], None]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(part)
         os.replace(part, path)
-    except OSError as exc:
+    except BaseException as exc:  # a full disk, or a failure while the rows are read (the part goes too)
         with contextlib.suppress(OSError):
             part.unlink()
-        raise OutputFileError(f"{path}: cannot write: {exc.strerror or exc}") from None
+        if isinstance(exc, OSError):
+            raise OutputFileError(f"{path}: cannot write: {exc.strerror or exc}") from None
+        raise
 
 
 def _write(tables: Iterable, schema, fmt: str, out: Optional[Path]) -> int:

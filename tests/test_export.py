@@ -66,3 +66,34 @@ def test_every_format_holds_the_same_rows_whatever_the_batch(db, tmp_path, monke
     for fmt in ("csv", "jsonl"):
         assert exported(db, fmt, tmp_path) == whole[fmt]  # one header, all 11 rows, in order
     assert [r["row_id"] for r in whole["jsonl"]] == [r["row_id"] for r in whole["csv"]] and len(whole["csv"]) == 11
+
+
+def test_a_whole_number_past_a_doubles_precision_beside_floats_is_text_and_kept_exact(make_job, tmp_path):
+    job = load_job(make_job(rows=2, schema={"type": "object", "properties": {"n": {"type": "number"}}}))
+    big = 2**53 + 1
+    run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema, respond=lambda r: json.dumps(
+        {"n": 0.5 if r.row_id == "r000" else big})))
+    rows = {r["row_id"]: r for r in exported(job.database_path, "jsonl", tmp_path)}
+    assert rows["r001"]["extraction_n"] == str(big) and rows["r000"]["extraction_n"] == "0.5"
+
+
+def test_rows_that_change_between_the_two_passes_stop_the_export_and_leave_no_part_file(db, tmp_path, monkeypatch):
+    from runner.store import Store
+
+    real = Store.results_of
+    calls = []
+
+    def results_of(self, *args, **kwargs):  # a run stores a row of a new kind between the passes
+        calls.append(1)
+        for r in real(self, *args, **kwargs):
+            if len(calls) == 2 and r["row_id"] == "r003":
+                r = r | {"extraction_json": json.dumps({"score": 3, "weight": "heavy", "tags": []})}  # weight: numbers
+            yield r
+
+    monkeypatch.setattr(Store, "results_of", results_of)
+    target = tmp_path / "exports" / "x.csv"
+    target.parent.mkdir()
+    target.write_text("yesterday's export\n")
+    out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "csv", "-o", str(target)])
+    assert out.exit_code == 6 and out.output.startswith("Error: ") and "changed while they were exported" in out.output
+    assert target.read_text() == "yesterday's export\n" and [p.name for p in target.parent.iterdir()] == ["x.csv"]
