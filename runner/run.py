@@ -7,6 +7,7 @@ Results are committed every `output.commit_every_rows` rows; a kill loses at mos
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field, replace
@@ -225,13 +226,11 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
             progress.close()
         timing = {"wall_s": clock() - t_start, "before_run_s": t_run - t_start, "wall_from": wall_from}
         if not completed and sum(collector.counts.values()):
-            try:  # what the stopped run did; its own failure must not hide the one that stopped it
-                # No plan bound: the plan covers rows built ahead that never ran, and the engine's
-                # counters rows in flight that were never stored. Rows run again: those it replaced.
+            # What the stopped run did (its own failure must not hide the one that stopped it). No plan
+            # bound: the plan holds rows built ahead that never ran. Rows run again: those it replaced.
+            with contextlib.suppress(Exception):
                 partial["stats"] = _stats(collector, engines, work, opts, partial.get("choice"), timing,
                                           plan_share=None, redone=store.rows_replaced_by(run_id))
-            except Exception:
-                pass
     stats = _stats(collector, engines, work, opts, choice, timing, collector.rb.plan().prefix_share, work.redone)
     store.finish_run(run_id, "completed", stats=stats)
     return RunSummary(run_id, str(job.database_path), 0, 0, dict(collector.counts), stats.as_dict())
