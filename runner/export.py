@@ -111,8 +111,6 @@ def _schema(fields: dict[str, bool], kinds: dict[str, set[str]]):
 
 def _tables(rows: Iterable[dict], fields: dict[str, bool], schema) -> Iterator:
     """The rows as Arrow tables of BATCH_ROWS rows each (one, empty, when there are none)."""
-    import pyarrow as pa
-
     batch: list[dict] = []
     sent = False
     for r in rows:

@@ -11,7 +11,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
-from runner.prompting import Document, PromptBuilder
+from runner.prompting import Document, PromptBuilder, render_user
 
 DEFAULT_BLOCK_TOKENS = 16  # vLLM caches prefixes in whole KV blocks (16 tokens on GPU unless configured)
 
@@ -61,6 +61,12 @@ def plan_stream(docs: Iterable[Document], window_rows: int, skip_ids: frozenset[
     if window:
         for g in plan_window(window, last):
             yield g
+
+
+def servable_tokens(prompt_tokens: int, block_tokens: int) -> int:
+    """The most of a prompt vLLM's prefix cache can serve: its whole blocks, but never the block of
+    its last token, which is always computed (PrefixCacheBound.add applies the same rule)."""
+    return (prompt_tokens - 1) // block_tokens * block_tokens
 
 
 class PrefixCacheBound:
@@ -166,7 +172,7 @@ class CharEstimate:
                 break
 
     def user_text(self, doc: Document) -> str:
-        return self.user_template.format_map({**doc.fields, "text": doc.text})
+        return render_user(self.user_template, doc)
 
     def system_prefix_tokens(self, system: Optional[str]) -> int:
         return (len(system or "") + self.examples_chars + self.user_head_chars) // self.CHARS_PER_TOKEN
@@ -233,6 +239,6 @@ def _estimate(rows: list[Document], system: Optional[str], g: GroupSummary, est:
             summary.rows_without_prompt += 1  # a run stores such a row as failed
             continue
         if g.rows:
-            g.cacheable_tokens += min(shared, (n - 1) // block_tokens * block_tokens)
+            g.cacheable_tokens += min(shared, servable_tokens(n, block_tokens))
         g.rows += 1
         g.prompt_tokens += n

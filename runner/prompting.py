@@ -27,6 +27,11 @@ class Document:
     problem: Optional[str] = None  # input.on_bad_row: store: why this row is stored failed, not run
 
 
+def render_user(user_template: str, doc: Document) -> str:
+    """The user turn of a row: prompts.user_template filled with its columns ({text}: the document)."""
+    return user_template.format_map({**doc.fields, "text": doc.text})
+
+
 class PromptBuilder:
     """Renders (system, examples, user) with the model's chat template and counts tokens."""
 
@@ -59,7 +64,7 @@ class PromptBuilder:
             templates.template_source(self.model_dir, self._tok_cfg, self._template_override))
 
     def user_text(self, doc: Document) -> str:
-        return self.user_template.format_map({**doc.fields, "text": doc.text})
+        return render_user(self.user_template, doc)
 
     def messages(self, system: Optional[str], user: str) -> list[dict]:
         """The conversation a prompt renders: system prompt, few-shot turns, the document."""

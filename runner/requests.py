@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Iterator, Optional
 from runner.engines import Completion, Request
 from runner.errors import ModelError, TemplateError
 from runner.inputs import prefetch
-from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound, plan_stream
+from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound, plan_stream, servable_tokens
 from runner.prompting import Document, PromptBuilder
 from runner.readers import make_reader
 from runner.spec import Job
@@ -42,11 +42,10 @@ class RequestBuilder:
         return PlanSummary(list(self.groups.values()) + extra, tokens_exact=True, block_tokens=self.job.block_tokens)
 
     def count_retry(self, request: Request) -> None:
-        """A retry sends a prompt vLLM has seen: every whole block but the one holding the last
-        token (which vLLM always computes) can be a hit."""
-        n, bt = len(request.prompt_token_ids), self.job.block_tokens
+        """A retry sends a prompt vLLM has seen: all of it that the cache can serve can be a hit."""
+        n = len(request.prompt_token_ids)
         self.retried.prompt_tokens += n
-        self.retried.cacheable_tokens += (n - 1) // bt * bt
+        self.retried.cacheable_tokens += servable_tokens(n, self.job.block_tokens)
 
     def stream(self, groups: Iterable[Group]) -> Iterator[tuple[str, list[Request | Completion]]]:
         """(group key, built chunk) for every chunk of every planned group."""
