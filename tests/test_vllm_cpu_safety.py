@@ -30,6 +30,9 @@ def test_sigkill_mid_run_then_rerun_finishes_each_row_once(make_job, tmp_path):
     assert all(after[k] == v for k, v in before.items())  # rows finished before the kill are unchanged
     con = sqlite3.connect(db)
     assert [s for (s,) in con.execute("SELECT status FROM runs ORDER BY id")] == ["interrupted", "completed"]
+    # the killed run ended at its last stored row, not when the rerun found it
+    assert con.execute("SELECT ended_at_utc FROM runs WHERE id = 1").fetchone() == \
+        con.execute("SELECT max(created_at_utc) FROM results WHERE run_id = 1").fetchone()
 
 
 def test_sigterm_during_generation_is_an_interruption_not_an_engine_failure(make_job, tmp_path):
@@ -42,7 +45,11 @@ def test_sigterm_during_generation_is_an_interruption_not_an_engine_failure(make
     assert err.strip().splitlines()[-1].startswith("Error: stopped by signal SIGTERM")
     con = sqlite3.connect(db)
     assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
-    assert con.execute("SELECT count(*) FROM results").fetchone()[0] >= 2
+    stored_rows = con.execute("SELECT count(*) FROM results").fetchone()[0]
+    assert stored_rows >= 2
+    # its stats cover the rows it stored, with generation time up to the signal and no plan bound
+    total, docs_per_s, bound = con.execute("SELECT rows_total, documents_per_s, plan_prefix_share FROM run_stats").fetchone()
+    assert total == stored_rows and docs_per_s > 0 and bound is None
 
 
 def test_engine_that_fails_to_start_exits_5_and_records_the_failed_run(make_job, tmp_path, model_dir):
