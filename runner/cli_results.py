@@ -39,7 +39,7 @@ def db_options(fn):
         click.option("--job", "job", type=click.Path(dir_okay=False), help="Job file whose database to read."),
         click.option("--db", "db", type=click.Path(dir_okay=False), help="Results database to read."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                     help="A job setting as `runner run --set` took it (e.g. output.database=...)."),
+                     help="With --job: a job setting as `runner run --set` took it (e.g. output.database=...)."),
     ]):
         fn = option(fn)
     return fn
@@ -171,11 +171,13 @@ def report(run_id, job, db, overrides, output):
               help="File to write; - for stdout.")
 @reports_errors
 def export(run_id, job, db, overrides, fmt_, output):
-    """Export results, with the extraction's top-level fields as columns: run RUN_ID's, or without
-    RUN_ID the whole job's (--job: the latest result of every row, whichever run made it).
+    """Export results, with the extraction's top-level fields as columns: run RUN_ID's (those a
+    later run replaced included), or without RUN_ID the whole job's (--job: the latest result of
+    every row, whichever run made it).
 
     Scalar fields become columns named extraction_FIELD; arrays and objects become JSON text in
-    extraction_FIELD_json.
+    extraction_FIELD_json. Then come run_id, fingerprint, created_at_utc and the model's raw
+    output_text.
 
     \b
     Example:
