@@ -9,19 +9,15 @@
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
-# The leases that issue 11 waits for. (1) The 135M first run with the runner's own Triton cache
-# (TRITON_CACHE_DIR, added after 9a51903): the lease of 9a51903
-# (bench/results/2026-12-02-nvidia-h200-triton-cache.json) found the first run's extra ~10 s of
-# LLM(...) to be vLLM's Triton kernels JIT-compiled again into ~/.triton after the warm-up's
-# compiling runs had put them in their inductor folders (cache_files_added in each run's record).
-# Expect runner_first to add nothing to ~/.triton and its `init engine` to take ~9 s, not ~20.
-# cap512 showed no consistent gain over two leases (e10c990, 9a51903); biggraphs had one warm
-# round. That lease took ~1,500 s of device time for a warm-up of 3 and 13 runs on a slow host
-# (plain 85-99 s; the machine's first vLLM start 219 s). ~25 min:
+# The lease that issue 11 waits for: the 8B shape with the GPU config's 20 graph sizes (below). The
+# 135M first run with the runner's own Triton cache was measured at 4854afc
+# (bench/results/2026-12-02-nvidia-h200-triton-check.json: runner_first added nothing to ~/.triton,
+# LLM(...) 14.5 s). That lease took ~1,340 s of device time for a warm-up of 2, 10 runs and an extra
+# round of 2 (plain 75.8-92.9 s). Its plan, for a new 135M comparison (~22 min):
 #   WARMUP="invoices/tight/135m=plain,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
 #     --repeats 3 --deadline-s 900 --cases "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner"
 # Check a new configuration's outputs too (rows_valid, and errors in its results.sqlite), not only its speed.
-# (2) The 8B shape with the GPU config's 20 graph sizes (it runs up to 127 requests at once, where the
+# The 8B shape with the GPU config's 20 graph sizes (it runs up to 127 requests at once, where the
 # lists differ), vllmgraphs and cap512 beside it (~5 min a round):
 #   WARMUP="invoices/tight/8b=plain,runner,vllmgraphs,cap512" bash bench/gpu.sh start --multi "" --repeats 3 \
 #     --deadline-s 1000 --cases "invoices/tight/8b=sorted,runner,vllmgraphs,cap512"
