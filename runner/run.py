@@ -207,7 +207,9 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
     # waiting for another run of the job (--wait) is not this run's time
     t_start, wall_from = (t_run, "call") if opts.started is None else \
         (min(opts.started[0] + opts.lock_wait_s, t_run), opts.started[1])
-    progress = opts.progress_factory(work.todo) if opts.progress_factory else None
+    progress = opts.progress_factory(work.todo) if opts.progress_factory and work.todo else None
+    if progress is not None and hasattr(progress, "engine_started"):
+        engines.on_start = _and_then(engines.on_start, progress.engine_started)
     collector = ResultCollector(job, store, run_id, RequestBuilder(job, builder), progress, work.fingerprint,
                                 clock=clock)
     ahead = build_ahead(job, collector.rb, work.is_done, work.skip) if work.todo else None
@@ -234,6 +236,15 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
     stats = _stats(collector, engines, work, opts, choice, timing, collector.rb.plan().prefix_share, work.redone)
     store.finish_run(run_id, "completed", stats=stats)
     return RunSummary(run_id, str(job.database_path), 0, 0, dict(collector.counts), stats.as_dict())
+
+
+def _and_then(on_start: Optional[Callable], then: Callable[[], None]) -> Callable:
+    """An engine-start callback that calls `on_start(info)` (if any), then `then()`."""
+    def both(info) -> None:
+        if on_start is not None:
+            on_start(info)
+        then()
+    return both
 
 
 def _stats(collector: ResultCollector, engines: EngineSequence, work: Work, opts: RunOptions, choice: Optional[dict],
