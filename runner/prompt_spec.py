@@ -79,12 +79,12 @@ def load_prompts(p: PromptSpec, base: Path, shown: Path, system_prompt_column: O
     if p.system_file:
         system = _read(base, p.system_file, shown, "prompts.system_file")
     allowed = {"text", *extra_columns}
-    unknown = template_fields(p.user_template) - allowed
+    unknown = template_fields(p.user_template, f"{shown}: prompts.user_template") - allowed
     if unknown:
         raise SpecError(f"{shown}: prompts.user_template: unknown field {{{sorted(unknown)[0]}}}; "
                         f"use text or one of input.extra_columns")
     if p.system_template is not None:
-        unknown = template_fields(p.system_template, "prompts.system_template") - set(extra_columns)
+        unknown = template_fields(p.system_template, f"{shown}: prompts.system_template") - set(extra_columns)
         if unknown:
             raise SpecError(f"{shown}: prompts.system_template: unknown field {{{sorted(unknown)[0]}}}; "
                             f"list the column in input.extra_columns")

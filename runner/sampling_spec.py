@@ -40,6 +40,13 @@ class SamplingSpec(Strict):
             raise ValueError(f"{taken[0]}: {where}, not in extra_args")
         return v
 
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("an empty string would stop every output at once (vLLM refuses it)")
+        return v
+
     @field_validator("n")
     @classmethod
     def _one(cls, v: int) -> int:

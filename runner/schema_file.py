@@ -31,6 +31,11 @@ def load_schema(path: Path, where: str) -> dict[str, Any]:
         where, ref = remote
         raise SpecError(f"{path}: {where}: $ref {ref!r} points outside the file; the runner never fetches "
                         f"schemas (it runs without a network): copy it under $defs and use \"#/$defs/NAME\"")
+    dangling = next(dangling_refs(schema), None)
+    if dangling is not None:
+        where, ref = dangling
+        raise SpecError(f"{path}: {where}: $ref {ref!r} points to nothing in the file (vLLM would refuse every "
+                        f"row's grammar)")
     return schema
 
 
@@ -48,6 +53,29 @@ def remote_refs(schema: Any, where: str = "#"):
         base = ref.split("#", 1)[0]
         if base and urljoin(root, base) not in ids:
             yield loc, ref
+
+
+def dangling_refs(schema: Any):
+    """(location, reference) of every JSON-pointer reference (`#/...`) that finds nothing in the
+    document. Only where the document names no nested `$id` (pointers are then all from its root);
+    anchors (`#name`) are left to the schema's own check."""
+    from urllib.parse import unquote
+
+    if isinstance(schema, dict) and any(True for _ in _ids({k: v for k, v in schema.items() if k != "$id"})):
+        return
+    for loc, ref in _refs(schema, "#"):
+        if not (ref == "#" or ref.startswith("#/")):
+            continue
+        node = schema
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                yield loc, ref
+                break
 
 
 def _refs(node: Any, where: str):

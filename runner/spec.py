@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from runner.engine_config import EngineConfig, EngineOverrides, Strict
-from runner.errors import InputError, SpecError
+from runner.errors import InputError, ModelError, SpecError
 from runner.overrides import apply_overrides
 from runner.prompt_spec import PromptSpec, load_prompts
 from runner.sampling_spec import SamplingSpec
@@ -277,8 +277,14 @@ def _load(shown: Path, raw: dict[str, Any], check_engine: bool = True) -> Job:
 
     overrides = spec.engine.model_dump(exclude_unset=True)
     cfg_path = _resolve(base, overrides.pop("config"))
+    if not cfg_path.exists():
+        raise SpecError(f"{shown}: engine.config: file not found: {cfg_path}")
     engine = load_engine_config(cfg_path, overrides, shown)
-    model_path = resolve_model(engine.model, cfg_path.parent)
+    try:
+        model_path = resolve_model(engine.model, cfg_path.parent)
+    except ModelError as exc:
+        where = _Where(overrides, engine, cfg_path, shown)
+        raise ModelError(f"{where('model')}: {exc}") from None
     if check_engine:
         _check_engine(engine, model_path, spec, _Where(overrides, engine, cfg_path, shown))
 

@@ -76,6 +76,11 @@ CASES = [
      "prompts.user_template: {title[999]}: use a column name"),
     ("template attribute", edit_job(lambda s, p: s.update(prompts={"user_template": "{text.upper}"})), 2,
      "prompts.user_template: {text.upper}"),
+    ("schema ref to nothing", write_text("schemas/out.json", json.dumps(
+        {"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}, "required": ["a"]})), 2,
+     "out.json: #/properties/a/$ref: $ref '#/$defs/nope' points to nothing in the file"),
+    ("empty stop string", edit_job(lambda s, p: s["sampling"].update(stop=[""])), 2,
+     "job.yaml: sampling.stop: Value error, an empty string would stop every output"),
     ("missing model path", edit_job(lambda s, p: s["engine"].update(model=str(p / "nope"))), 4, "nope: model folder not found (engine.model"),
 ]
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import yaml
 
-from runner.errors import SpecError
+from runner.errors import ModelError, SpecError
 from runner.spec import load_job
 
 
@@ -46,7 +46,11 @@ def test_real_sample_job_is_valid():
     (lambda s: s["engine"].update(max_num_seqs=0), "job.yaml: engine.max_num_seqs: Input should be greater than or equal to 1"),
     (lambda s: s["engine"].update(dtype="bf16"), "job.yaml: engine.dtype: Input should be 'auto', 'half', 'float16', 'bfloat16'"),
     (lambda s: s.update(output_schema="schemas/missing.json"), "job.yaml: output_schema: file not found"),
-    (lambda s: s["engine"].update(config="configs/nope.yaml"), "nope.yaml: file not found"),
+    (lambda s: s["engine"].update(config="configs/nope.yaml"), "job.yaml: engine.config: file not found: "),
+    (lambda s: s["engine"].update(model="builtin:nope"), "job.yaml: engine.model: unknown builtin model 'nope'"),
+    (lambda s: s["sampling"].update(stop=["}", ""]), "job.yaml: sampling.stop: Value error, an empty string would stop"),
+    (lambda s: s.update(prompts={"user_template": "{text"}), "job.yaml: prompts.user_template: "),
+    (lambda s: s.update(prompts={"user_template": "{text.upper}"}), "job.yaml: prompts.user_template: {text.upper}: "),
     (lambda s: s.update(prompts={"user_template": "{title}: {text}"}), "job.yaml: prompts.user_template: unknown field {title}"),
     (lambda s: s.update(prompts={"system": "x"}), "job.yaml: prompts: a system prompt is set and input.system_prompt_column too"),
 ])
@@ -55,7 +59,7 @@ def test_bad_job_names_file_and_field(make_job, mutate, expected):
     spec = yaml.safe_load(path.read_text())
     mutate(spec)
     path.write_text(yaml.safe_dump(spec))
-    with pytest.raises(SpecError) as err:
+    with pytest.raises((SpecError, ModelError)) as err:
         load_job(path)
     assert expected in str(err.value)
     assert "\n" not in str(err.value)
@@ -142,6 +146,25 @@ def test_schema_that_is_not_json_schema(make_job, tmp_path):
     path = make_job(schema={"type": "object", "properties": {"a": {"type": "strin"}}})
     with pytest.raises(SpecError, match=r"out\.json: not a valid JSON Schema at properties/a/type"):
         load_job(path)
+
+
+@pytest.mark.parametrize("schema, dangling", [
+    ({"$defs": {"x": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/x"}}}, None),
+    ({"properties": {"a": {"$ref": "#"}}}, None),  # the whole document: a recursive schema
+    ({"$defs": {"a/b~c": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/a~1b~0c"}}}, None),
+    ({"$defs": {"a b": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/a%20b"}}}, None),
+    ({"prefixItems": [{"type": "string"}], "properties": {"a": {"$ref": "#/prefixItems/0"}}}, None),
+    ({"properties": {"a": {"$ref": "#/$defs/nope"}}}, ("#/properties/a/$ref", "#/$defs/nope")),
+    ({"prefixItems": [{"type": "string"}], "properties": {"a": {"$ref": "#/prefixItems/1"}}},
+     ("#/properties/a/$ref", "#/prefixItems/1")),
+    ({"properties": {"a": {"items": {"$ref": "#/properties/b"}}}}, ("#/properties/a/items/$ref", "#/properties/b")),
+    # a nested $id makes pointers relative to it: left to vLLM rather than judged wrongly here
+    ({"properties": {"a": {"$id": "http://x/a", "$ref": "#/nope"}}}, None),
+])
+def test_a_reference_to_nothing_in_the_schema_file_is_found(schema, dangling):
+    from runner.schema_file import dangling_refs
+
+    assert next(dangling_refs({"type": "object"} | schema), None) == dangling
 
 
 def test_schema_that_is_not_json(make_job, tmp_path):

