@@ -14,7 +14,7 @@ from runner.summary import fmt
 def _open_store(job, db, overrides=()):
     """The results database named by --job (with its --set settings) or --db, and the job's name
     when --job was given."""
-    from runner.errors import SpecError, StoreError
+    from runner.errors import NotFound, SpecError
     from runner.store import Store
 
     job_name = None
@@ -30,7 +30,7 @@ def _open_store(job, db, overrides=()):
     if not db:
         raise SpecError("give --job JOB or --db DATABASE")
     if not Path(db).is_file():
-        raise StoreError(f"{db}: no results database here yet")
+        raise NotFound(f"{db}: no results database here yet" + (f" ({job_name} has not run)" if job_name else ""))
     return Store(db), job_name
 
 
@@ -63,13 +63,19 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
       runner stats 3 --db out/summarize.sqlite
       runner stats --job jobs/summarize.yaml --json | jq '.[0].stats.documents_per_s'
     """
-    from runner.errors import StoreError
+    from runner.errors import NotFound
 
-    store, job_name = _open_store(job, db, overrides)
-    runs = [store.run(run_id)] if run_id is not None else store.latest_runs(job_name, last, with_idle)
-    if not runs or runs[0] is None:
-        raise StoreError(f"{store.path}: no run {run_id}" if run_id is not None else
-                         f"{store.path}: no runs yet" + ("" if with_idle else " that ran rows (--with-idle: all)"))
+    try:
+        store, job_name = _open_store(job, db, overrides)
+        runs = [store.run(run_id)] if run_id is not None else store.latest_runs(job_name, last, with_idle)
+        if not runs or runs[0] is None:
+            raise NotFound(f"{store.path}: no run {run_id}" if run_id is not None else
+                           f"{store.path}: no runs yet" + ("" if with_idle else " that ran rows (--with-idle: all)"))
+    except NotFound:
+        if as_json and run_id is None:  # for monitoring: a job that has not run has no runs, not an error
+            click.echo("[]")
+            return
+        raise
     if as_json:
         click.echo(json.dumps([_run_json(store, r) for r in runs], indent=1, default=str))
         return
@@ -115,6 +121,9 @@ def status(job, overrides):
     from runner.spec import load_job
 
     spec = load_job(job, overrides, check_engine=False)  # results only: no engine starts
+    if not spec.database_path.is_file():
+        say(f"job {spec.name}: no rows stored yet ({spec.database_path} does not exist: the job has not run)")
+        return
     store, _ = _open_store(job, None, overrides)
     current, components = result_fingerprint(spec)
     known = store.fingerprint_components(spec.name)

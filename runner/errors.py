@@ -45,6 +45,13 @@ class StoreError(RunnerError):
     exit_code = 6
 
 
+class NotFound(RunnerError):
+    """What a read-only command was asked to show is not there: the job has not run yet (no
+    database, or no runs in it), or no run has that id. Not a damaged database (6)."""
+
+    exit_code = 7
+
+
 class OutputFileError(StoreError):
     """A file the runner writes from the store (an export, a report) cannot be written: the same
     exit code as the database, a place the results cannot go."""

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
-from runner.errors import OutputClosed, OutputFileError, StoreError
+from runner.errors import NotFound, OutputClosed, OutputFileError, StoreError
 from runner.rows import EXPORT_COLUMNS, EXPORT_COLUMNS_ADDED
 from runner.store import Store
 
@@ -40,7 +40,7 @@ def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path
     bounded whatever the job's size."""
     run = store.run(run_id) if job_name is None else next(iter(store.latest_runs(job_name, 1)), None)
     if run is None:
-        raise StoreError(f"{store.path}: no run {run_id}" if job_name is None else f"{store.path}: no runs of {job_name}")
+        raise NotFound(f"{store.path}: no run {run_id}" if job_name is None else f"{store.path}: no runs of {job_name}")
     if fmt not in FORMATS:
         raise StoreError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     fields = flat_fields(json.loads(run["config_json"]).get("output_schema", {}))

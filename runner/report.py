@@ -7,7 +7,7 @@ from collections import defaultdict
 from statistics import mean
 
 from runner.engines import describe_settings
-from runner.errors import StoreError
+from runner.errors import NotFound
 from runner.rows import Status
 from runner.summary import stats_lines
 from runner.store import Store
@@ -73,7 +73,7 @@ def render_report(store: Store, run_id: int) -> str:
     """The report page of one run, as an HTML string."""
     run = store.run(run_id)
     if run is None:
-        raise StoreError(f"{store.path}: no run {run_id}")
+        raise NotFound(f"{store.path}: no run {run_id}")
     stats = store.stats(run_id) or {}
     rows = list(store.results_of(run_id))
     by_status: dict[str, int] = defaultdict(int)

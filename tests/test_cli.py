@@ -105,7 +105,12 @@ def test_missing_model_is_an_error(invoke, make_job, tmp_path):
 
 def test_stats_without_database(invoke, tmp_path):
     result = CliRunner().invoke(cli, ["stats", "--db", str(tmp_path / "none.sqlite")])
-    assert result.exit_code == 6 and "Error: " in result.output and "no results database" in result.output
+    assert result.exit_code == 7 and "Error: " in result.output and "no results database" in result.output
+    # monitoring reads --json: a job that has not run has no runs, which is not a failure
+    result = CliRunner().invoke(cli, ["stats", "--db", str(tmp_path / "none.sqlite"), "--json"])
+    assert result.exit_code == 0 and json.loads(result.output) == []
+    result = CliRunner().invoke(cli, ["stats", "3", "--db", str(tmp_path / "none.sqlite"), "--json"])
+    assert result.exit_code == 7 and "Error: " in result.output  # a run asked for by id is not there
     result = CliRunner().invoke(cli, ["stats"])
     assert result.exit_code == 2 and "give --job JOB or --db DATABASE" in result.output
 

@@ -200,10 +200,16 @@ def test_quiet_prints_nothing_and_engine_output_goes_to_the_log(make_job, tmp_pa
     assert done.returncode == 0 and "Results:" in done.stdout  # not quiet: the summary, on stdout
 
 
-@pytest.mark.parametrize("command", ["status"])
-def test_status_needs_a_database(make_job, command):
-    out = invoke(command, make_job(rows=2))
-    assert out.exit_code == 6 and "no results database here yet" in out.output
+def test_status_of_a_job_that_has_not_run_says_so(make_job, tmp_path):
+    out = invoke("status", make_job(rows=2))
+    assert out.exit_code == 0 and "no rows stored yet" in out.output and "has not run" in out.output
+    assert not (tmp_path / "out" / "results.sqlite").exists()  # reading creates no database
+
+
+@pytest.mark.parametrize("args", [["stats", "--job"], ["export", "--format", "csv", "--job"], ["report", "1", "--job"]])
+def test_reading_a_job_that_has_not_run_is_not_found_not_a_damaged_database(make_job, args):
+    out = CliRunner().invoke(cli, [*args, str(make_job(rows=2))])
+    assert out.exit_code == 7 and out.output.startswith("Error: ") and "has not run" in out.output
 
 
 def test_a_run_half_replaced_later_still_shows_and_exports_all_its_rows_in_order(make_job, tmp_path):

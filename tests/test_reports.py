@@ -120,4 +120,4 @@ def test_flat_fields_tell_scalars_from_structures():
 @pytest.mark.vllm
 def test_report_of_a_missing_run_is_an_error(real_db, tmp_path):
     out = CliRunner().invoke(cli, ["report", "99", "--db", str(real_db), "-o", str(tmp_path / "x.html")])
-    assert out.exit_code == 6 and out.output.startswith("Error: ") and "no run 99" in out.output
+    assert out.exit_code == 7 and out.output.startswith("Error: ") and "no run 99" in out.output
