@@ -35,7 +35,7 @@ from runner.store import DoneFilter, Store
 class RunOptions:
     """How to run a job: the CLI's flags, and the seams tests use."""
 
-    restart: bool = False  # delete the job's stored results first
+    restart: bool = False  # set the job's stored results aside (results_history) first
     retry_failed: bool = False  # run the rows that are not ok (ok rows stay, whatever made them)
     recalibrate: bool = False  # measure `speculative: auto` again instead of reusing a stored choice
     wait: bool = False  # wait for a running instance of the job instead of failing
@@ -119,9 +119,9 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     store.check_integrity()
     if opts.on_input_ok is not None:
         opts.on_input_ok()
-    store.mark_abandoned_runs(job.name)  # first: a killed run ended at its last stored row, deleted below
+    store.mark_abandoned_runs(job.name)  # first: a killed run ended at its last stored row, set aside below
     if opts.restart:
-        store.delete_results(job.name)
+        store.set_aside_results(job.name)
     work = _work(store, job, scan, opts.retry_failed)  # the fingerprint has the backend as configured
     try:
         job, work.grammar = job_with_grammar(job)  # one backend for every engine; measured while vLLM imports

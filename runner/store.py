@@ -215,8 +215,14 @@ class Store(SpeculationRecords):
                     f"SELECT id, {kept}, ?, ? FROM results WHERE job_name = ? AND row_id IN ({', '.join('?' * len(part))})",
                     (now, rows[0].run_id, job, *part))
 
-    def delete_results(self, job_name: str) -> int:
+    def set_aside_results(self, job_name: str) -> int:
+        """`--restart`: move the job's stored rows to results_history (replaced by no run), so that
+        the next run redoes every row and the runs that made them still show and export them."""
+        kept = ", ".join(RESULT_COLUMNS)
         with self._tx() as conn:
+            conn.exec_driver_sql(
+                f"INSERT INTO results_history (id, {kept}, replaced_at_utc, replaced_by_run_id) "
+                f"SELECT id, {kept}, ?, NULL FROM results WHERE job_name = ?", (utc_now(), job_name))
             return conn.execute(self.results.delete().where(self.results.c.job_name == job_name)).rowcount
 
     def save_rejected(self, run_id: int, job_name: str, rows: list[tuple[int, Optional[str], str]]) -> None:

@@ -63,6 +63,29 @@ def test_rerun_skips_finished_rows_and_restart_redoes_them(make_job):
     assert len(seen[0].seen) == 10 and {r["run_id"] for r in results(job).values()} == {redo.run_id}
 
 
+def test_restart_sets_the_stored_rows_aside_and_their_run_still_shows_them(make_job, tmp_path):
+    """--restart with --limit: the rows it does not redo are not lost with the ones it does."""
+    from runner.export import export_run
+    from runner.store import Store
+
+    path = make_job(rows=10)
+    job = load_job(path)
+    first = run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
+    redo = run_job(load_job(path, ["input.limit=3"]), engine_factory=lambda j: FakeEngine(j.output_schema),
+                   restart=True)
+    assert redo.stats["rows_total"] == 3
+    assert {r["run_id"] for r in results(job).values()} == {redo.run_id} and len(results(job)) == 3
+    store = Store(job.database_path)
+    assert store.result_counts(first.run_id) == {"ok": 10}
+    out = tmp_path / "first.csv"
+    assert export_run(store, first.run_id, "csv", out) == 10
+    *groups, history = store.rows_by_fingerprint(job.name)
+    assert history["history_rows"] == 10 and sum(g["rows"] for g in groups) == 3
+    assert store.rows_replaced_by(redo.run_id) == 0  # set aside before it ran: it replaced none of them
+    again = run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
+    assert again.rows_skipped == 3 and again.stats["rows_total"] == 7  # the rest run again, once each
+
+
 def test_bad_outputs_are_stored_with_status_and_error(make_job):
     job = load_job(make_job(rows=6))
     answers = {
