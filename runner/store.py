@@ -34,7 +34,11 @@ def unwritable_reason(path: Path) -> Optional[str]:
     """Why a run could not make or write the database at path (None: it could), found without
     writing: the file, or the nearest folder that exists above it, must be writable."""
     if path.exists():
-        return None if path.is_file() and os.access(path, os.R_OK | os.W_OK) else "not a writable file"
+        if not (path.is_file() and os.access(path, os.R_OK | os.W_OK)):
+            return "not a writable file"
+        with open(path, "rb") as f:  # an empty file is an empty database to SQLite
+            head = f.read(16)
+        return None if head in (b"", b"SQLite format 3\x00") else "the file is not a SQLite database"
     folder = path.parent
     while not folder.exists():
         folder = folder.parent

@@ -81,6 +81,8 @@ CASES = [
      "out.json: #/properties/a/$ref: $ref '#/$defs/nope' points to nothing in the file"),
     ("empty stop string", edit_job(lambda s, p: s["sampling"].update(stop=[""])), 2,
      "job.yaml: sampling.stop: Value error, an empty string would stop every output"),
+    ("max_tokens past the model length", edit_job(lambda s, p: s["sampling"].update(max_tokens=100_000)), 2,
+     "job.yaml: sampling.max_tokens: 100000 leaves no room for a prompt within max_model_len"),
     ("missing model path", edit_job(lambda s, p: s["engine"].update(model=str(p / "nope"))), 4, "nope: model folder not found (engine.model"),
 ]
 
@@ -96,6 +98,21 @@ def test_bad_input_gives_one_error_line_and_no_run(make_job, tmp_path, name, bre
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], command
     assert not (tmp_path / "out" / "results.sqlite").exists()  # no partial run
+
+
+def test_a_database_path_that_holds_another_kind_of_file_stops_validate_as_it_stops_run(make_job, tmp_path):
+    job = make_job(rows=6)
+    db = tmp_path / "out" / "results.sqlite"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    db.write_text("not a database\n")
+    for command, message in ((["validate"], "output.database: cannot be written: the file is not a SQLite database"),
+                             (["run", "--engine", "fake"], "file is not a database")):
+        result = CliRunner().invoke(cli, [*command, str(job)])
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 6 and len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0]
+    assert db.read_text() == "not a database\n"
+    db.write_bytes(b"")  # an empty file is an empty database to SQLite: fine
+    assert CliRunner().invoke(cli, ["validate", str(job)]).exit_code == 0
 
 
 def test_validate_refuses_a_model_folder_without_weights_for_a_local_engine(make_job, tmp_path, model_dir):
