@@ -37,6 +37,7 @@ def run_summary(summary) -> str:
     rows = (f"{s['rows_total']:,} run ({summary.rows_redone:,} of them again), " if summary.rows_redone
             else f"{s['rows_total']:,} run, ")
     return f"Results: {summary.database} (run {summary.run_id})\n" + stats_table(s, summary.counts, [
-        ("rows", rows + f"{summary.rows_skipped:,} already done, {summary.rows_input:,} in input"
+        ("rows", rows + f"{summary.rows_skipped:,} already done, {summary.rows_input:,} "
+                 + (f"taken from the input (limit {summary.input_limit:,})" if summary.input_limit else "in input")
                  + (f", {summary.rows_rejected:,} left out (see rejected_rows)" if summary.rows_rejected else "")),
     ])

@@ -15,6 +15,7 @@ from runner.row_ids import RowIds
 from runner.prompting import Document
 from runner.readers import Reader
 from runner.spec import InputSpec
+from runner.summary import plural
 
 
 MAX_PROMPT_KEYS = 100_000  # distinct system prompts remembered for the prompt-set fingerprint
@@ -34,6 +35,33 @@ class InputScan:
     skip: set[int] = field(default_factory=set)
 
 
+class NotUtf8(InputError):
+    """A text column holds bytes that are not UTF-8; `row`: a row of the batch that does (the scan
+    names it by its id)."""
+
+    def __init__(self, message: str, row: Optional[int]):
+        super().__init__(message)
+        self.row = row
+
+
+def _not_utf8_row(arr) -> Optional[int]:
+    """A row of `arr` whose value is not UTF-8 text (the first, except in a dictionary column)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(arr.type):
+        entry = _not_utf8_row(arr.dictionary)
+        rows = arr.indices.to_pylist()
+        return rows.index(entry) if entry in rows else None
+    raw = arr if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type) else arr.cast(pa.binary())
+    for i, value in enumerate(raw.to_pylist()):
+        try:
+            if value is not None:
+                value.decode("utf-8")
+        except UnicodeDecodeError:
+            return i
+    return None
+
+
 def _text_column(file: str, batch, name: str, field: str):
     """A column as valid UTF-8 strings, or an InputError naming the file and column. A dictionary
     column stays one (its values are checked): a prompt repeated on every row is one string."""
@@ -47,13 +75,15 @@ def _text_column(file: str, batch, name: str, field: str):
         try:
             arr = arr.cast(pa.string())
         except pa.ArrowInvalid:
-            raise InputError(f"{file}: column {name!r} ({field}) holds bytes that are not UTF-8 text") from None
+            raise NotUtf8(f"{file}: column {name!r} ({field}) holds bytes that are not UTF-8 text",
+                          _not_utf8_row(arr)) from None
     elif not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
         raise InputError(f"{file}: column {name!r} ({field}) must hold text, not {arr.type}")
     try:
         arr.validate(full=True)
     except pa.ArrowInvalid:
-        raise InputError(f"{file}: column {name!r} ({field}) holds bytes that are not UTF-8 text") from None
+        raise NotUtf8(f"{file}: column {name!r} ({field}) holds bytes that are not UTF-8 text",
+                      _not_utf8_row(arr)) from None
     return arr
 
 
@@ -115,17 +145,22 @@ def _scan(reader: Reader, seen: RowIds) -> InputScan:
     scan = InputScan(files=[], rows=0, ids=seen, system_prompt_keys=set())
     for file, batch in reader.batches():
         ids = _id_column(file, batch, spec.id_column)
-        texts = _text_column(file, batch, spec.text_column, "input.text_column")
-        if spec.on_bad_row == "fail":
-            _refuse_nulls(file, spec, ids, texts)
-        if spec.system_prompt_column:
-            sp = _text_column(file, batch, spec.system_prompt_column, "input.system_prompt_column")
-            if sp.null_count and spec.on_bad_row == "fail":
-                raise InputError(f"{file}: column {spec.system_prompt_column!r} has {sp.null_count} null system prompts")
-            if len(scan.system_prompt_keys) < MAX_PROMPT_KEYS:
-                scan.system_prompt_keys.update(group_key(v) for v in pc.unique(sp).to_pylist() if v is not None)
-        for c in spec.extra_columns:
-            _extra_column(file, batch, c)  # bytes that are not UTF-8 stop the run here
+        try:
+            texts = _text_column(file, batch, spec.text_column, "input.text_column")
+            if spec.on_bad_row == "fail":
+                _refuse_nulls(file, spec, ids, texts)
+            if spec.system_prompt_column:
+                sp = _text_column(file, batch, spec.system_prompt_column, "input.system_prompt_column")
+                if sp.null_count and spec.on_bad_row == "fail":
+                    raise InputError(f"{file}: column {spec.system_prompt_column!r} has "
+                                     f"{plural(sp.null_count, 'null system prompt')}")
+                if len(scan.system_prompt_keys) < MAX_PROMPT_KEYS:
+                    scan.system_prompt_keys.update(group_key(v) for v in pc.unique(sp).to_pylist() if v is not None)
+            for c in spec.extra_columns:
+                _extra_column(file, batch, c)  # bytes that are not UTF-8 stop the run here
+        except NotUtf8 as exc:
+            at = f" (at id {ids[exc.row].as_py()!r})" if exc.row is not None else ""
+            raise InputError(f"{exc}{at}") from None
         if spec.on_bad_row == "fail":
             duplicate = seen.add(ids.to_pylist())
             if duplicate is not None:
@@ -158,11 +193,11 @@ def _set_aside(scan: InputScan, ids: list, seen: RowIds) -> None:
 
 def _refuse_nulls(file: str, spec: InputSpec, ids, texts) -> None:
     if ids.null_count:
-        raise InputError(f"{file}: column {spec.id_column!r} (input.id_column) has {ids.null_count} null ids "
+        raise InputError(f"{file}: column {spec.id_column!r} (input.id_column) has {plural(ids.null_count, 'null id')} "
                          f"(input.on_bad_row: store runs the other rows)")
     if texts.null_count:
         first = ids[texts.is_null().to_pylist().index(True)].as_py()
-        raise InputError(f"{file}: column {spec.text_column!r} (input.text_column) is null in {texts.null_count} rows, "
+        raise InputError(f"{file}: column {spec.text_column!r} (input.text_column) is null in {plural(texts.null_count, 'row')}, "
                          f"first at id {first!r} (input.on_bad_row: store runs the other rows)")
 
 

@@ -29,6 +29,7 @@ from runner.rows import StatsRow, Status
 from runner.signals import Interrupted, sigterm_interrupts
 from runner.spec import Job
 from runner.store import DoneFilter, Store
+from runner.summary import plural
 
 
 @dataclass
@@ -78,6 +79,7 @@ class RunSummary:
     redo_reasons: list[str] = field(default_factory=list)  # what changed, e.g. "sampling.max_tokens"
     job_counts: dict[str, int] = field(default_factory=dict)  # all the job's stored rows by status
     rows_rejected: int = 0  # input rows left out (on_bad_row: store): null or repeated ids
+    input_limit: Optional[int] = None  # input.limit (--limit): rows_input counts the rows taken, not the input's
 
     @property
     def failed_fraction(self) -> float:
@@ -138,6 +140,7 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     finally:
         work.is_done.close()
     summary.rows_input, summary.rows_skipped, summary.rows_rejected = scan.rows, work.skipped, len(scan.skip)
+    summary.input_limit = job.spec.input.limit
     summary.rows_redone, summary.redo_reasons = work.redone, work.reasons
     summary.job_counts = store.job_status_counts(job.name)
     return summary
@@ -153,7 +156,7 @@ def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Stor
         if scan.skip:
             store.save_rejected(run_id, job.name, scan.rejected)
             if opts.notify is not None:
-                opts.notify(f"{len(scan.skip):,} input rows left out (null or repeated ids; input.on_bad_row: store): "
+                opts.notify(f"{plural(len(scan.skip), 'input row')} left out (null or repeated ids; input.on_bad_row: store): "
                             f"see the rejected_rows table of {job.database_path}")
         ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
         engines = EngineSequence(engine_factory, clock=opts.clock, let_go_last=opts.exits_after,

@@ -13,6 +13,11 @@ def fmt(v, digits: int = 2, pct: bool = False) -> str:
     return f"{v:,.{digits}f}" if isinstance(v, float) else f"{v:,}"
 
 
+def plural(n: int, word: str) -> str:
+    """`1 row`, `2 rows`: a count and its noun (the last word takes the s)."""
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
 def speculation(choice_json: Optional[str]) -> str:
     """How the run chose its speculative decoding, from run_stats.engine_choice_json."""
     cal = (json.loads(choice_json) if choice_json else {}).get("speculative_calibration")

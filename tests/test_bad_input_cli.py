@@ -62,7 +62,7 @@ CASES = [
     ("missing id column", bad_parquet("no_id"), 3, "column 'id' (input.id_column) not found"),
     ("missing text column", bad_parquet("no_text"), 3, "column 'text' (input.text_column) not found"),
     ("duplicate ids", bad_parquet("dup_ids"), 3, "duplicate id 'a'"),
-    ("null text", bad_parquet("null_text"), 3, "null in 1 rows, first at id 'b'"),
+    ("null text", bad_parquet("null_text"), 3, "null in 1 row, first at id 'b'"),
     ("non-UTF-8 bytes", bad_parquet("not_utf8"), 3, "not UTF-8 text"),
     ("invalid YAML", write_text(None, "name: t\n  input: : :\n"), 2, "job.yaml: invalid YAML"),
     ("unknown key", edit_job(lambda s, p: s["output"].update(databse="x")), 2, "job.yaml: output.databse: unknown key"),

@@ -69,8 +69,15 @@ def _write(tmp_path, **cols):
     (lambda p: _write(p, ident=["a"], text=["t"], system_prompt=["s"]), "column 'id' (input.id_column) not found"),
     (lambda p: _write(p, id=["a"], body=["t"], system_prompt=["s"]), "column 'text' (input.text_column) not found"),
     (lambda p: _write(p, id=["a", "b", "a"], text=["x", "y", "z"], system_prompt=["s"] * 3), "duplicate id 'a'"),
-    (lambda p: _write(p, id=["a", "b"], text=["x", None], system_prompt=["s"] * 2), "is null in 1 rows, first at id 'b'"),
-    (lambda p: _write(p, id=["a"], text=[b"\xff\xfe bad"], system_prompt=["s"]), "holds bytes that are not UTF-8 text"),
+    (lambda p: _write(p, id=["a", "b"], text=["x", None], system_prompt=["s"] * 2), "is null in 1 row, first at id 'b'"),
+    (lambda p: _write(p, id=["a"], text=[b"\xff\xfe bad"], system_prompt=["s"]),
+     "holds bytes that are not UTF-8 text (at id 'a')"),
+    (lambda p: _write(p, id=["a", "b", "c"], text=[b"ok", None, b"caf\xe9"], system_prompt=["s"] * 3),
+     "column 'text' (input.text_column) holds bytes that are not UTF-8 text (at id 'c')"),
+    (lambda p: _write(p, id=["a", "b", "c"], text=["x"] * 3,
+                      system_prompt=pa.DictionaryArray.from_arrays(pa.array([0, 1, 1]), pa.array([b"s", b"\xff"]))),
+     "column 'system_prompt' (input.system_prompt_column) holds bytes that are not UTF-8 text (at id 'b')"),
+    (lambda p: _write(p, id=["a", "b"], text=["x"] * 2, system_prompt=["s", None]), "has 1 null system prompt"),
     (lambda p: _write(p, id=["a"], text=[3], system_prompt=["s"]), "must hold text, not int64"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, make, expected):

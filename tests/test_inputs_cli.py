@@ -24,7 +24,7 @@ def test_csv_keeps_ids_as_written_text_across_lines_and_empty_cells_as_missing(m
                                        '8,"plain, with a comma",S\n9,,S\n')
     job = make_job()
     refused = invoke("run", "--engine", "fake", "--set", "input.path=docs.csv", job)
-    assert refused.exit_code == 3 and "is null in 1 rows, first at id '9'" in refused.output, refused.output
+    assert refused.exit_code == 3 and "is null in 1 row, first at id '9'" in refused.output, refused.output
     out = invoke("run", "--engine", "fake", "--quiet", "--set", "input.path=docs.csv", "--set", "input.on_bad_row=store", job)
     assert out.exit_code == 0, out.output
     rows = dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status FROM results"))

@@ -141,11 +141,11 @@ def test_set_overrides_the_job_and_the_engine_config_for_one_command(make_job, t
 def test_limit_makes_a_smoke_run_and_the_next_run_does_the_rest(make_job, tmp_path):
     job = make_job(rows=12)
     out = invoke("run", "--engine", "fake", "--limit", "5", job)
-    assert out.exit_code == 0 and "5 in input" in out.output, out.output
+    assert out.exit_code == 0 and "5 taken from the input (limit 5)" in out.output, out.output
     db = sqlite3.connect(tmp_path / "out" / "results.sqlite")
     assert db.execute("SELECT count(*) FROM results").fetchone()[0] == 5
     out = invoke("run", "--engine", "fake", job)
-    assert out.exit_code == 0 and "7 run" in out.output and "5 already done" in out.output, out.output
+    assert out.exit_code == 0 and "7 run, 5 already done, 12 in input" in out.output, out.output
     assert db.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 12
     assert invoke("run", "--limit", "0", job).exit_code == 2
 
