@@ -175,7 +175,8 @@ def report(run_id, job, db, overrides, output):
 @cli.command()
 @click.argument("run_id", required=False, type=int)
 @db_options
-@click.option("--format", "fmt_", type=click.Choice(["parquet", "csv", "jsonl"]), required=True)
+@click.option("--format", "fmt_", type=click.Choice(["parquet", "csv", "jsonl"]), default=None,
+              help="Default: from the output file's name (.parquet, .csv, .jsonl); needed for stdout.")
 @click.option("-o", "--output", "output", default="-", show_default=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="File to write; - for stdout.")
 @reports_errors
@@ -190,12 +191,13 @@ def export(run_id, job, db, overrides, fmt_, output):
 
     \b
     Example:
-      runner export --job jobs/summarize.yaml --format parquet -o results.parquet
+      runner export --job jobs/summarize.yaml -o results.parquet
       runner export 3 --job jobs/summarize.yaml --format jsonl | jq .extraction_summary
     """
     from runner.errors import SpecError
-    from runner.export import export_run
+    from runner.export import export_run, format_for
 
+    fmt_ = format_for(output, fmt_)
     store, job_name = _open_store(job, db, overrides)
     if run_id is None and job_name is None:
         raise SpecError("give RUN_ID, or --job JOB to export the whole job")

@@ -21,6 +21,23 @@ _COLUMN_TYPES = {c: "int64" for c in ("prompt_tokens", "completion_tokens", "cac
 _SCALARS = {"string", "integer", "number", "boolean"}
 
 
+_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+
+
+def format_for(output: str, given: Optional[str]) -> str:
+    """The export format: --format, else the output file's suffix. A suffix that names another
+    format than --format is refused (CSV in a file named .parquet would fool whatever reads it)."""
+    from runner.errors import SpecError
+
+    named = _SUFFIXES.get(Path(output).suffix.lower()) if output != "-" else None
+    if given and named and given != named:
+        raise SpecError(f"{output}: the file's name says {named}, --format says {given}")
+    if given or named:
+        return given or named
+    where = "standard output" if output == "-" else f"{output}: a name ending in none of {', '.join(_SUFFIXES)}"
+    raise SpecError(f"--format: give parquet, csv or jsonl for {where}")
+
+
 def flat_fields(schema: dict) -> dict[str, bool]:
     """Top-level extraction fields -> whether each is a scalar (a plain column) or not (a JSON text column)."""
     if schema.get("type") != "object":

@@ -97,3 +97,22 @@ def test_rows_that_change_between_the_two_passes_stop_the_export_and_leave_no_pa
     out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "csv", "-o", str(target)])
     assert out.exit_code == 6 and out.output.startswith("Error: ") and "changed while they were exported" in out.output
     assert target.read_text() == "yesterday's export\n" and [p.name for p in target.parent.iterdir()] == ["x.csv"]
+
+
+def test_the_format_comes_from_the_file_name_unless_given_and_never_against_it(db, tmp_path):
+    def run(*args):
+        return CliRunner().invoke(cli, ["export", "1", "--db", str(db), *args])
+
+    out = run("-o", str(tmp_path / "a.csv"))
+    assert out.exit_code == 0 and (tmp_path / "a.csv").read_text().startswith('"row_id",')
+    out = run("-o", str(tmp_path / "a.PARQUET"))
+    assert out.exit_code == 0 and pq.read_table(tmp_path / "a.PARQUET").num_rows == 11
+    out = run("--format", "jsonl", "-o", str(tmp_path / "a.json"))  # a name that says nothing: --format decides
+    assert out.exit_code == 0 and len((tmp_path / "a.json").read_text().splitlines()) == 11
+    for args, message in ((["--format", "csv", "-o", str(tmp_path / "b.parquet")],
+                           "b.parquet: the file's name says parquet, --format says csv"),
+                          (["-o", str(tmp_path / "b.txt")], "--format: give parquet, csv or jsonl for "),
+                          ([], "--format: give parquet, csv or jsonl for standard output")):
+        out = run(*args)
+        assert out.exit_code == 2 and out.output.startswith("Error: ") and message in out.output, out.output
+    assert not (tmp_path / "b.parquet").exists() and not (tmp_path / "b.txt").exists()
