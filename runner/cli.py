@@ -67,35 +67,11 @@ def _progress(spec, quiet: bool):
     """The run's progress bar (None with --quiet): documents stored, on stderr."""
     if quiet:
         return None
-    from runner.console import console
+    from runner.console import RunBar, console
 
     err = console().err
     tty = err.isatty() if hasattr(err, "isatty") else False
     return lambda total: RunBar(total, spec.name, err, mininterval=0.5 if tty else 30.0)
-
-
-class RunBar:
-    """A tqdm bar that says the engine is starting until it is up, then restarts its clock, so that
-    its elapsed time, rate and ETA are generation's: vLLM's import and start take tens of seconds."""
-
-    def __init__(self, total: int, name: str, file, mininterval: float):
-        from tqdm import tqdm
-
-        self.name = name
-        self.bar = tqdm(total=total, desc=f"{name} (starting the engine)", unit="doc", file=file,
-                        dynamic_ncols=True, mininterval=mininterval, smoothing=0.1)
-
-    def engine_started(self) -> None:
-        """The first engine is up (a later one, calibration's, keeps the count and the clock)."""
-        if self.bar.n == 0 and self.bar.desc != self.name:
-            self.bar.set_description_str(self.name, refresh=False)
-            self.bar.reset()
-
-    def update(self, n: int = 1) -> None:
-        self.bar.update(n)
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def job_settings(fn):

@@ -110,3 +110,27 @@ def _remove_if_untouched(made: list[Path], header_bytes: int) -> None:
                 path.rmdir()  # only when empty
         except OSError:
             pass
+
+
+class RunBar:
+    """A tqdm bar that says the engine is starting until it is up, then restarts its clock, so that
+    its elapsed time, rate and ETA are generation's: vLLM's import and start take tens of seconds."""
+
+    def __init__(self, total: int, name: str, file, mininterval: float):
+        from tqdm import tqdm
+
+        self.name = name
+        self.bar = tqdm(total=total, desc=f"{name} (starting the engine)", unit="doc", file=file,
+                        dynamic_ncols=True, mininterval=mininterval, smoothing=0.1)
+
+    def engine_started(self) -> None:
+        """The first engine is up (a later one, calibration's, keeps the count and the clock)."""
+        if self.bar.n == 0 and self.bar.desc != self.name:
+            self.bar.set_description_str(self.name, refresh=False)
+            self.bar.reset()
+
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()

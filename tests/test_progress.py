@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from runner.cli import RunBar
+from runner.console import RunBar
 from runner.engines.fake import FakeEngine
 from runner.run import run_job
 from runner.spec import load_job
