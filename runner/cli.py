@@ -195,7 +195,7 @@ def validate(job, overrides):
     if not ready and spec.spec.executor == "local":  # `runner run` would stop there: so does this
         raise ModelError(missing_model(spec.model_path))
     if (why := unwritable_reason(spec.database_path)) is not None:
-        raise StoreError(f"{spec.database_path}: output.database: cannot be written: {why}")
+        raise StoreError(f"{spec.database_path}: output.database: {why}")
     say(f"OK: {job}")
     say(table([
         ("input", f"{scan.rows:,} rows in {len(scan.files)} file(s)"

@@ -14,7 +14,7 @@ from runner.summary import fmt
 def _open_store(job, db, overrides=()):
     """The results database named by --job (with its --set settings) or --db, and the job's name
     when --job was given."""
-    from runner.errors import NotFound, SpecError
+    from runner.errors import SpecError
     from runner.store import Store
 
     job_name = None
@@ -29,9 +29,25 @@ def _open_store(job, db, overrides=()):
         db, job_name = spec.database_path, spec.name
     if not db:
         raise SpecError("give --job JOB or --db DATABASE")
-    if not Path(db).is_file():
-        raise NotFound(f"{db}: no results database here yet" + (f" ({job_name} has not run)" if job_name else ""))
+    _database_here(Path(db), job_name)
     return Store(db), job_name
+
+
+def _database_here(db: Path, job_name) -> None:
+    """NotFound where nothing is at `db` yet (the job has not run); StoreError where something else
+    is in the way (a folder, a path through a file), which a run would fail on too."""
+    from runner.errors import NotFound, StoreError
+
+    if db.is_file():
+        return
+    if db.exists():
+        raise StoreError(f"{db}: not a database file")
+    folder = db.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise StoreError(f"{db}: {folder} is not a folder")
+    raise NotFound(f"{db}: no results database here yet" + (f" ({job_name} has not run)" if job_name else ""))
 
 
 def db_options(fn):
@@ -117,14 +133,16 @@ def status(job, overrides):
     Example:
       runner status jobs/summarize.yaml
     """
+    from runner.errors import NotFound
     from runner.fingerprint import changed_parts, result_fingerprint
     from runner.spec import load_job
 
     spec = load_job(job, overrides, check_engine=False)  # results only: no engine starts
-    if not spec.database_path.is_file():
+    try:
+        store, _ = _open_store(job, None, overrides)
+    except NotFound:
         say(f"job {spec.name}: no rows stored yet ({spec.database_path} does not exist: the job has not run)")
         return
-    store, _ = _open_store(job, None, overrides)
     current, components = result_fingerprint(spec)
     known = store.fingerprint_components(spec.name)
     *groups, history = store.rows_by_fingerprint(spec.name)

@@ -44,22 +44,17 @@ class NotUtf8(InputError):
         self.row = row
 
 
-def _not_utf8_row(arr) -> Optional[int]:
-    """A row of `arr` whose value is not UTF-8 text (the first, except in a dictionary column)."""
+def _not_utf8(arr) -> Iterator[int]:
+    """Positions of the values of a (not dictionary) column that are not UTF-8 text."""
     import pyarrow as pa
 
-    if pa.types.is_dictionary(arr.type):
-        entry = _not_utf8_row(arr.dictionary)
-        rows = arr.indices.to_pylist()
-        return rows.index(entry) if entry in rows else None
     raw = arr if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type) else arr.cast(pa.binary())
     for i, value in enumerate(raw.to_pylist()):
         try:
             if value is not None:
                 value.decode("utf-8")
         except UnicodeDecodeError:
-            return i
-    return None
+            yield i
 
 
 def _text_column(file: str, batch, name: str, field: str):
@@ -69,21 +64,25 @@ def _text_column(file: str, batch, name: str, field: str):
 
     arr = batch.column(name)
     if pa.types.is_dictionary(arr.type):
-        values = _text_column(file, pa.record_batch([arr.dictionary], names=[name]), name, field)
+        try:
+            values = _text_column(file, pa.record_batch([arr.dictionary], names=[name]), name, field)
+        except NotUtf8 as exc:  # a position in the dictionary: the row is the first that uses such a value
+            bad = set(_not_utf8(arr.dictionary))
+            raise NotUtf8(str(exc), next((i for i, e in enumerate(arr.indices.to_pylist()) if e in bad), None)) from None
         return pa.DictionaryArray.from_arrays(arr.indices, values)
     if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type):
         try:
             arr = arr.cast(pa.string())
         except pa.ArrowInvalid:
             raise NotUtf8(f"{file}: column {name!r} ({field}) holds bytes that are not UTF-8 text",
-                          _not_utf8_row(arr)) from None
+                          next(_not_utf8(arr), None)) from None
     elif not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
         raise InputError(f"{file}: column {name!r} ({field}) must hold text, not {arr.type}")
     try:
         arr.validate(full=True)
     except pa.ArrowInvalid:
         raise NotUtf8(f"{file}: column {name!r} ({field}) holds bytes that are not UTF-8 text",
-                      _not_utf8_row(arr)) from None
+                      next(_not_utf8(arr), None)) from None
     return arr
 
 

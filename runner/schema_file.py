@@ -67,8 +67,9 @@ def dangling_refs(schema: Any):
         if not (ref == "#" or ref.startswith("#/")):
             continue
         node = schema
-        for part in ref[2:].split("/") if ref != "#" else []:
-            part = unquote(part).replace("~1", "/").replace("~0", "~")
+        # as jsonschema reads it: the fragment percent-decoded whole, then split, then ~1 and ~0
+        for part in unquote(ref[1:]).split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
             if isinstance(node, dict) and part in node:
                 node = node[part]
             elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
@@ -78,13 +79,19 @@ def dangling_refs(schema: Any):
                 break
 
 
-def _refs(node: Any, where: str):
+_DATA_KEYS = ("examples", "default", "const", "enum")  # their values are instances, not schemas
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+
+
+def _refs(node: Any, where: str, names: bool = False):
+    """(location, reference) of every reference in the schema (not in its instance data: a property
+    called `default` is a schema, an object under `default` is data)."""
     if isinstance(node, dict):
         for key, value in node.items():
-            if key in _REF_KEYS and isinstance(value, str):
+            if key in _REF_KEYS and isinstance(value, str) and not names:
                 yield f"{where}/{key}", value
-            else:
-                yield from _refs(value, f"{where}/{key}")
+            elif names or key not in _DATA_KEYS:
+                yield from _refs(value, f"{where}/{key}", names=not names and key in _NAME_MAPS)
     elif isinstance(node, list):
         for i, value in enumerate(node):
             yield from _refs(value, f"{where}/{i}")

@@ -245,8 +245,9 @@ def _check_engine(engine: EngineConfig, model_path: Path, spec: "JobFile", where
     if why:
         raise SpecError(f"{where('max_model_len')}: {why}")
     if spec.sampling.max_tokens >= engine.max_model_len:  # every row would be stored failed, too long
+        length = where("max_model_len").removeprefix(f"{where.job_path}: ")  # its file, if not the job's
         raise SpecError(f"{where.job_path}: sampling.max_tokens: {spec.sampling.max_tokens} leaves no room for a "
-                        f"prompt within max_model_len {engine.max_model_len} ({where('max_model_len')})")
+                        f"prompt within max_model_len {engine.max_model_len} ({length})")
 
 
 def load_job(path: str | Path, overrides: Sequence[str] = (), check_engine: bool = True) -> Job:

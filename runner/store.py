@@ -31,19 +31,20 @@ _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({
 
 
 def unwritable_reason(path: Path) -> Optional[str]:
-    """Why a run could not make or write the database at path (None: it could), found without
-    writing: the file, or the nearest folder that exists above it, must be writable."""
+    """Why a run could not make, write or open the database at path (None: it could), found without
+    writing: the file, or the nearest folder that exists above it, must be writable, and a file
+    there must be a SQLite database."""
     if path.exists():
         if not (path.is_file() and os.access(path, os.R_OK | os.W_OK)):
-            return "not a writable file"
+            return "cannot be written: not a writable file"
         with open(path, "rb") as f:  # an empty file is an empty database to SQLite
             head = f.read(16)
-        return None if head in (b"", b"SQLite format 3\x00") else "the file is not a SQLite database"
+        return None if head in (b"", b"SQLite format 3\x00") else "the file there is not a SQLite database"
     folder = path.parent
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        return f"{folder} is not a folder this user can write in"
+        return f"cannot be written: {folder} is not a folder this user can write in"
     return None
 
 

@@ -105,7 +105,7 @@ def test_a_database_path_that_holds_another_kind_of_file_stops_validate_as_it_st
     db = tmp_path / "out" / "results.sqlite"
     db.parent.mkdir(parents=True, exist_ok=True)
     db.write_text("not a database\n")
-    for command, message in ((["validate"], "output.database: cannot be written: the file is not a SQLite database"),
+    for command, message in ((["validate"], "output.database: the file there is not a SQLite database"),
                              (["run", "--engine", "fake"], "file is not a database")):
         result = CliRunner().invoke(cli, [*command, str(job)])
         lines = result.output.strip().splitlines()

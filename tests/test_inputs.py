@@ -75,8 +75,11 @@ def _write(tmp_path, **cols):
     (lambda p: _write(p, id=["a", "b", "c"], text=[b"ok", None, b"caf\xe9"], system_prompt=["s"] * 3),
      "column 'text' (input.text_column) holds bytes that are not UTF-8 text (at id 'c')"),
     (lambda p: _write(p, id=["a", "b", "c"], text=["x"] * 3,
-                      system_prompt=pa.DictionaryArray.from_arrays(pa.array([0, 1, 1]), pa.array([b"s", b"\xff"]))),
-     "column 'system_prompt' (input.system_prompt_column) holds bytes that are not UTF-8 text (at id 'b')"),
+                      system_prompt=pa.DictionaryArray.from_arrays(pa.array([0, 0, 1]), pa.array([b"s", b"\xff"]))),
+     "column 'system_prompt' (input.system_prompt_column) holds bytes that are not UTF-8 text (at id 'c')"),
+    (lambda p: _write(p, id=["a", "b"], text=["x"] * 2,  # the bad value is the dictionary's 4th, used by row a
+                      system_prompt=pa.DictionaryArray.from_arrays(pa.array([3, 0]), pa.array([b"s", b"t", b"u", b"\xff"]))),
+     "column 'system_prompt' (input.system_prompt_column) holds bytes that are not UTF-8 text (at id 'a')"),
     (lambda p: _write(p, id=["a", "b"], text=["x"] * 2, system_prompt=["s", None]), "has 1 null system prompt"),
     (lambda p: _write(p, id=["a"], text=[3], system_prompt=["s"]), "must hold text, not int64"),
 ])

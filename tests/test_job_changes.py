@@ -212,6 +212,18 @@ def test_reading_a_job_that_has_not_run_is_not_found_not_a_damaged_database(make
     assert out.exit_code == 7 and out.output.startswith("Error: ") and "has not run" in out.output
 
 
+@pytest.mark.parametrize("place, message", [("folder", "not a database file"), ("under a file", "is not a folder")])
+@pytest.mark.parametrize("args", [["status"], ["stats", "--json", "--job"], ["export", "--format", "csv", "--job"]])
+def test_something_in_the_way_of_the_database_is_not_taken_for_a_job_that_has_not_run(make_job, tmp_path, args,
+                                                                                        place, message):
+    job = make_job(rows=2)
+    (tmp_path / "in-the-way").write_text("a file")
+    db = tmp_path / "db-folder" if place == "folder" else tmp_path / "in-the-way" / "results.sqlite"
+    (tmp_path / "db-folder").mkdir()
+    out = CliRunner().invoke(cli, [*args, str(job), "--set", f"output.database={db}"])
+    assert out.exit_code == 6 and out.output.startswith("Error: ") and message in out.output, out.output
+
+
 def test_a_run_half_replaced_later_still_shows_and_exports_all_its_rows_in_order(make_job, tmp_path):
     job = make_job(rows=12)
     db = tmp_path / "out" / "results.sqlite"

@@ -48,6 +48,9 @@ def test_real_sample_job_is_valid():
     (lambda s: s.update(output_schema="schemas/missing.json"), "job.yaml: output_schema: file not found"),
     (lambda s: s["engine"].update(config="configs/nope.yaml"), "job.yaml: engine.config: file not found: "),
     (lambda s: s["engine"].update(model="builtin:nope"), "job.yaml: engine.model: unknown builtin model 'nope'"),
+    (lambda s: s["sampling"].update(max_tokens=512) or s["engine"].update(max_model_len=512),
+     "job.yaml: sampling.max_tokens: 512 leaves no room for a prompt within max_model_len 512 (engine.max_model_len)"),
+    (lambda s: s["sampling"].update(max_tokens=100_000), "configs/engine.yaml: max_model_len)"),
     (lambda s: s["sampling"].update(stop=["}", ""]), "job.yaml: sampling.stop: Value error, an empty string would stop"),
     (lambda s: s.update(prompts={"user_template": "{text"}), "job.yaml: prompts.user_template: "),
     (lambda s: s.update(prompts={"user_template": "{text.upper}"}), "job.yaml: prompts.user_template: {text.upper}: "),
@@ -160,11 +163,33 @@ def test_schema_that_is_not_json_schema(make_job, tmp_path):
     ({"properties": {"a": {"items": {"$ref": "#/properties/b"}}}}, ("#/properties/a/items/$ref", "#/properties/b")),
     # a nested $id makes pointers relative to it: left to vLLM rather than judged wrongly here
     ({"properties": {"a": {"$id": "http://x/a", "$ref": "#/nope"}}}, None),
+    # instance data that looks like a reference is not one; a property called `default` is a schema
+    ({"properties": {"a": {"type": "object", "examples": [{"$ref": "#/definitions/foo"}],
+                           "default": {"$ref": "#/x"}}}}, None),
+    ({"properties": {"default": {"$ref": "#/$defs/nope"}}}, ("#/properties/default/$ref", "#/$defs/nope")),
+    # as jsonschema reads a pointer: percent-decoded whole, then split (%2F is a separator)
+    ({"$defs": {"a": {"b": {"type": "string"}}}, "properties": {"a": {"$ref": "#/$defs/a%2Fb"}}}, None),
+    ({"$defs": {"a/b": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/a%2Fb"}}},
+     ("#/properties/a/$ref", "#/$defs/a%2Fb")),
 ])
 def test_a_reference_to_nothing_in_the_schema_file_is_found(schema, dangling):
-    from runner.schema_file import dangling_refs
+    from referencing import Registry, Resource
+    from referencing.exceptions import Unresolvable
+    from referencing.jsonschema import DRAFT202012
 
-    assert next(dangling_refs({"type": "object"} | schema), None) == dangling
+    from runner.schema_file import _refs, dangling_refs
+
+    schema = {"type": "object"} | schema
+    assert next(dangling_refs(schema), None) == dangling
+    if dangling is not None or "$id" in json.dumps(schema):
+        return
+    # jsonschema's resolver (the `referencing` package) finds every reference this check let through
+    resolver = Registry().with_resource("", Resource.from_contents(schema, DRAFT202012)).resolver()
+    for _, ref in _refs(schema, "#"):
+        try:
+            resolver.lookup(ref)
+        except Unresolvable as exc:
+            raise AssertionError(f"{ref} passed the check but jsonschema cannot resolve it: {exc}") from None
 
 
 def test_schema_that_is_not_json(make_job, tmp_path):

