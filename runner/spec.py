@@ -244,10 +244,27 @@ def _check_engine(engine: EngineConfig, model_path: Path, spec: "JobFile", where
     why = length_refusal(engine, model_path, os.environ | spec.ray.env)  # ray.env: what replicas get
     if why:
         raise SpecError(f"{where('max_model_len')}: {why}")
+    _check_sampling_args(spec.sampling.extra_args, where.job_path)
     if spec.sampling.max_tokens >= engine.max_model_len:  # every row would be stored failed, too long
         length = where("max_model_len").removeprefix(f"{where.job_path}: ")  # its file, if not the job's
         raise SpecError(f"{where.job_path}: sampling.max_tokens: {spec.sampling.max_tokens} leaves no room for a "
                         f"prompt within max_model_len {engine.max_model_len} ({length})")
+
+
+def _check_sampling_args(extra_args: dict[str, Any], job_path: Path) -> None:
+    """An extra_args key the installed vLLM's SamplingParams does not have: refused now, not once
+    vLLM has imported and the run is recorded failed."""
+    import difflib
+
+    from runner.engines.vllm_settings import sampling_fields, vllm_version
+
+    fields = sampling_fields() if extra_args else None
+    unknown = sorted(set(extra_args) - fields) if fields else []
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(fields), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise SpecError(f"{job_path}: sampling.extra_args.{unknown[0]}: not a field of vllm.SamplingParams "
+                        f"({vllm_version()}){hint}")
 
 
 def load_job(path: str | Path, overrides: Sequence[str] = (), check_engine: bool = True) -> Job:

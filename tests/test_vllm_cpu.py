@@ -343,8 +343,10 @@ def test_real_run_with_examples_a_system_template_and_open_sampling(make_job, tm
             {"role": "assistant", "content": '{"summary":"The kettle leaks.","sentiment":"negative"}'}]},
         "sampling": {"temperature": 0, "max_tokens": 64, "extra_args": {"no_such_setting": 1}}})
     result = run_cli("run", "--quiet", job)
-    assert result.returncode == 2 and "Error: sampling: vLLM refuses these settings" in result.stderr, result.stderr[-2000:]
-    assert "no_such_setting" in result.stderr
+    # refused before vLLM imports: read from the installed vLLM's SamplingParams (no run is recorded)
+    assert result.returncode == 2 and "sampling.extra_args.no_such_setting: not a field of vllm.SamplingParams" \
+        in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "out" / "results.sqlite").exists()
     spec = yaml.safe_load(job.read_text())
     spec["sampling"] = {"temperature": 0, "max_tokens": 64, "repetition_penalty": 1.2, "top_k": 5,
                         "extra_args": {"skip_special_tokens": True}}

@@ -64,6 +64,26 @@ def resolve_dtype(dtype: str, cpu_build: bool, has_bf16: bool) -> str:
     return dtype
 
 
+def sampling_fields() -> Optional[frozenset[str]]:
+    """The installed vLLM's SamplingParams fields, read from its source without importing vLLM
+    (seconds): `validate` refuses an unknown `sampling.extra_args` key as `run` would. None when
+    vLLM or the class is not found where expected (the engine then decides, as before)."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+        source = Path(spec.origin).with_name("sampling_params.py") if spec and spec.origin else None
+        tree = ast.parse(source.read_text(encoding="utf-8")) if source else None
+    except (ImportError, OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body if tree else []:
+        if isinstance(node, ast.ClassDef) and node.name == "SamplingParams":
+            names = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            return frozenset(n for n in names if not n.startswith("_")) or None
+    return None
+
+
 def vllm_version() -> str:
     """The installed vLLM's distribution and version, read without importing it (seconds)."""
     from importlib import metadata
