@@ -244,7 +244,8 @@ def _check_engine(engine: EngineConfig, model_path: Path, spec: "JobFile", where
     why = length_refusal(engine, model_path, os.environ | spec.ray.env)  # ray.env: what replicas get
     if why:
         raise SpecError(f"{where('max_model_len')}: {why}")
-    _check_sampling_args(spec.sampling.extra_args, where.job_path)
+    if spec.executor == "local":  # Ray's replicas run the cluster's vLLM, which may be another version
+        _check_sampling_args(spec.sampling.extra_args, where.job_path)
     if spec.sampling.max_tokens >= engine.max_model_len:  # every row would be stored failed, too long
         length = where("max_model_len").removeprefix(f"{where.job_path}: ")  # its file, if not the job's
         raise SpecError(f"{where.job_path}: sampling.max_tokens: {spec.sampling.max_tokens} leaves no room for a "

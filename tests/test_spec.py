@@ -285,6 +285,14 @@ def test_cuda_graph_sizes_reach_vllm_beside_other_compilation_settings_and_stop_
             EngineConfig(model="m", cuda_graph_sizes=bad)
 
 
+def test_a_ray_job_leaves_sampling_fields_to_its_replicas_vllm(make_job):
+    """The replicas run the cluster's vLLM, perhaps another version than this machine's."""
+    path = make_job(job={"executor": "ray", "sampling": {"max_tokens": 64, "extra_args": {"cluster_only": 1}}})
+    assert load_job(path).spec.sampling.extra_args == {"cluster_only": 1}
+    with pytest.raises(SpecError, match="sampling.extra_args.cluster_only: not a field"):
+        load_job(path, ["executor=local"])
+
+
 def test_sampling_fields_are_read_from_the_installed_vllms_source_without_importing_it(tmp_path, monkeypatch):
     import importlib.util
     import sys
