@@ -37,14 +37,13 @@ def _database_here(db: Path, job_name) -> None:
     """NotFound where nothing is at `db` yet (the job has not run); StoreError where something else
     is in the way (a folder, a path through a file), which a run would fail on too."""
     from runner.errors import NotFound, StoreError
+    from runner.store import nearest_existing
 
     if db.is_file():
         return
     if db.exists():
         raise StoreError(f"{db}: not a database file")
-    folder = db.parent
-    while not folder.exists():
-        folder = folder.parent
+    folder = nearest_existing(db)
     if not folder.is_dir():
         raise StoreError(f"{db}: {folder} is not a folder")
     raise NotFound(f"{db}: no results database here yet" + (f" ({job_name} has not run)" if job_name else ""))

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
-from runner.errors import NotFound, OutputClosed, OutputFileError, StoreError
+from runner.errors import NotFound, OutputClosed, OutputFileError, SpecError, StoreError
 from runner.rows import EXPORT_COLUMNS, EXPORT_COLUMNS_ADDED
 from runner.store import Store
 
@@ -27,8 +27,6 @@ _SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "
 def format_for(output: str, given: Optional[str]) -> str:
     """The export format: --format, else the output file's suffix. A suffix that names another
     format than --format is refused (CSV in a file named .parquet would fool whatever reads it)."""
-    from runner.errors import SpecError
-
     named = _SUFFIXES.get(Path(output).suffix.lower()) if output != "-" else None
     if given and named and given != named:
         raise SpecError(f"{output}: the file's name says {named}, --format says {given}")

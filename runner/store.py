@@ -28,6 +28,18 @@ from runner.store_sqlite import BUSY_TIMEOUT_MS, DoneFilter, Transaction, short_
 _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
                    f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
                    + ", ".join(f"{c} = excluded.{c}" for c in RESULT_COLUMNS if c not in ("job_name", "row_id")))
+# A job's stored rows into results_history, with when and by which run (NULL: --restart) they were
+# replaced; _archive narrows it to the rows a batch replaces.
+_TO_HISTORY = (f"INSERT INTO results_history (id, {', '.join(RESULT_COLUMNS)}, replaced_at_utc, replaced_by_run_id) "
+               f"SELECT id, {', '.join(RESULT_COLUMNS)}, ?, ? FROM results WHERE job_name = ?")
+
+
+def nearest_existing(path: Path) -> Path:
+    """The closest of path's folders that exists (a path through a file stops at the file)."""
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    return folder
 
 
 def unwritable_reason(path: Path) -> Optional[str]:
@@ -40,9 +52,7 @@ def unwritable_reason(path: Path) -> Optional[str]:
         with open(path, "rb") as f:  # an empty file is an empty database to SQLite
             head = f.read(16)
         return None if head in (b"", b"SQLite format 3\x00") else "the file there is not a SQLite database"
-    folder = path.parent
-    while not folder.exists():
-        folder = folder.parent
+    folder = nearest_existing(path)
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         return f"cannot be written: {folder} is not a folder this user can write in"
     return None
@@ -208,26 +218,20 @@ class Store(SpeculationRecords):
 
     def _archive(self, conn, rows: list[ResultRow], now: str) -> None:
         """Copy the stored rows these will replace into results_history (none, on a first run)."""
-        kept = ", ".join(RESULT_COLUMNS)
         by_job: dict[str, list[str]] = {}
         for row in rows:
             by_job.setdefault(row.job_name, []).append(row.row_id)
         for job, ids in by_job.items():
             for start in range(0, len(ids), DoneFilter.BATCH):
                 part = ids[start:start + DoneFilter.BATCH]
-                conn.exec_driver_sql(
-                    f"INSERT INTO results_history (id, {kept}, replaced_at_utc, replaced_by_run_id) "
-                    f"SELECT id, {kept}, ?, ? FROM results WHERE job_name = ? AND row_id IN ({', '.join('?' * len(part))})",
-                    (now, rows[0].run_id, job, *part))
+                conn.exec_driver_sql(f"{_TO_HISTORY} AND row_id IN ({', '.join('?' * len(part))})",
+                                     (now, rows[0].run_id, job, *part))
 
     def set_aside_results(self, job_name: str) -> int:
         """`--restart`: move the job's stored rows to results_history (replaced by no run), so that
         the next run redoes every row and the runs that made them still show and export them."""
-        kept = ", ".join(RESULT_COLUMNS)
         with self._tx() as conn:
-            conn.exec_driver_sql(
-                f"INSERT INTO results_history (id, {kept}, replaced_at_utc, replaced_by_run_id) "
-                f"SELECT id, {kept}, ?, NULL FROM results WHERE job_name = ?", (utc_now(), job_name))
+            conn.exec_driver_sql(_TO_HISTORY, (utc_now(), None, job_name))
             return conn.execute(self.results.delete().where(self.results.c.job_name == job_name)).rowcount
 
     def save_rejected(self, run_id: int, job_name: str, rows: list[tuple[int, Optional[str], str]]) -> None:
