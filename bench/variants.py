@@ -70,6 +70,9 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "breakable": ({}, {}),  # the GPU config, with VARIANT_ENV's
         "bigbreakable": ({"cuda_graph_sizes": BIG_GRAPH_SIZES}, {}),
         "v1runner": ({}, {}),  # the GPU config, with VARIANT_ENV's
+        # vLLM's engine core in the runner's process (the CPU config's setting): no core process to
+        # fork, connect and shut down at exit; the driver's loop and the core's steps then share a thread.
+        "inproc": ({"in_process": True}, {}),
         "no_grouping": ({"speculative": None, "warm_prefix": False}, {"plan_window_rows": 1}),
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),

