@@ -10,7 +10,9 @@
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
 # The lease that issue 11 waits for: the 8B shape with the GPU config's 20 graph sizes (below). The
-# 135M first run with the runner's own Triton cache was measured at 4854afc
+# 135M with its calibration stored was last measured at a3584f4 beside inproc
+# (bench/results/2026-12-02-nvidia-h200-inproc.json: a warm-up of 3 and 12 runs, ~1,330 s of device
+# time with staging). The 135M first run with the runner's own Triton cache was measured at 4854afc
 # (bench/results/2026-12-02-nvidia-h200-triton-check.json: runner_first added nothing to ~/.triton,
 # LLM(...) 14.5 s). That lease took ~1,340 s of device time for a warm-up of 2, 10 runs and an extra
 # round of 2 (plain 75.8-92.9 s). Its plan, for a new 135M comparison (~22 min):
@@ -25,7 +27,9 @@
 # chain the polls with nothing between them, and copy what a later look needs (a run's
 # results.sqlite) to $OUT inside a polling call.
 # .gpu/setup.sh is git-ignored: carry it (with the part) in every staging and install call. A call
-# carries at most 64 MiB with the working tree (~2 MB): the parts are 54 MiB each (p0-p6).
+# carries at most 64 MiB with the working tree (~3 MB): the parts must be 54 MiB each (p0-p6);
+# make-wheelhouse.sh writes 62 MiB ones, so split them again:
+#   cd .gpu && cat p0 p1 p2 p3 p4 p5 > /tmp/all.tar && rm p? && split -b 54M -d -a 1 /tmp/all.tar p
 # The device keeps a machine only 30 s after a call: poll with back-to-back `wait 290` calls.
 # Staging takes ~1 min of device time, `install` ~1.5 min; a fresh machine's first vLLM start takes
 # ~3 min even eager, so a one-off check needs ~6 min of device time, not 3.
