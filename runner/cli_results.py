@@ -126,7 +126,9 @@ def status(job, overrides):
     """Show JOB's stored rows by the version of the job that made them (their fingerprint).
 
     The current version's rows are kept by the next run; rows made by another version (a changed
-    schema, prompt, sampling or model) run again, and the parts that changed are listed.
+    schema, prompt, sampling or model) run again, and the parts that changed are listed. The last
+    line counts what the next `runner run` has to do with the input as it is now (its row ids are
+    read, nothing else).
 
     \b
     Example:
@@ -141,6 +143,7 @@ def status(job, overrides):
         store, _ = _open_store(job, None, overrides)
     except NotFound:
         say(f"job {spec.name}: no rows stored yet ({spec.database_path} does not exist: the job has not run)")
+        say(_next_run(spec, None))
         return
     current, components = result_fingerprint(spec)
     known = store.fingerprint_components(spec.name)
@@ -161,6 +164,35 @@ def status(job, overrides):
     if rows:
         say(table(rows))
     say(f"earlier results kept in results_history: {history['history_rows']:,}")
+    say(_next_run(spec, store))
+
+
+def _next_run(spec, store) -> str:
+    """What the next `runner run` of spec has to do, as one line: input rows to run (new, or stored
+    by another version of the job) and, with --retry-failed, rows stored but not ok as well. Counted
+    on disk against the input's row ids, as `run` counts them; an input that a run would refuse is
+    named, not raised: status still shows what is stored."""
+    from runner.errors import InputError, SpecError
+    from runner.fingerprint import result_fingerprint
+    from runner.readers import LocalReader
+    from runner.summary import plural
+
+    try:
+        scan = LocalReader(spec.input_path, spec.spec.input).scan(keep_ids=store is not None)
+    except (InputError, SpecError) as exc:
+        return f"next run: not counted: {exc}"
+    if store is None:
+        return f"next run: all {plural(scan.rows, 'input row')}"
+    try:
+        fingerprint, _ = result_fingerprint(spec)
+        kept, redo = store.input_counts(spec.name, scan.ids.path, fingerprint)
+        ok, _ = store.input_counts(spec.name, scan.ids.path, fingerprint, ok_only=True)
+    finally:
+        scan.ids.close()
+    todo = scan.rows - kept
+    parts = [f"{todo - redo:,} new"] + ([f"{redo:,} stored by another version"] if redo else [])
+    return (f"next run: {todo:,} of {plural(scan.rows, 'input row')} to run ({', '.join(parts)}); "
+            f"with --retry-failed, {scan.rows - ok:,}")
 
 
 @cli.command()

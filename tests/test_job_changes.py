@@ -206,6 +206,31 @@ def test_status_of_a_job_that_has_not_run_says_so(make_job, tmp_path):
     assert not (tmp_path / "out" / "results.sqlite").exists()  # reading creates no database
 
 
+def test_status_counts_what_the_next_run_has_to_do_as_the_run_does(make_job, tmp_path):
+    job = make_job(rows=6)
+    assert invoke("status", job).output.splitlines()[-1] == "next run: all 6 input rows"
+    assert invoke("run", "--engine", "fake", "--quiet", "--limit", "4", job).exit_code == 0
+    out = invoke("status", job)
+    assert out.exit_code == 0
+    assert out.output.splitlines()[-1] == "next run: 2 of 6 input rows to run (2 new); with --retry-failed, 2"
+    # a changed schema that no output can meet: the 4 stored rows run again, and then none is ok
+    impossible = SCHEMA | {"properties": SCHEMA["properties"] | {"summary": {"type": "string", "pattern": "^x$"}}}
+    (tmp_path / "schemas" / "out.json").write_text(json.dumps(impossible))
+    # (--retry-failed keeps every ok row, whatever version made it: only the 2 new ones would run)
+    assert invoke("status", job).output.splitlines()[-1] == (
+        "next run: 6 of 6 input rows to run (2 new, 4 stored by another version); with --retry-failed, 2")
+    run = invoke("run", "--engine", "fake", "--quiet", job)
+    assert run.exit_code == 0 and "6 rows" in invoke("status", job).output
+    # what status counted is what the run did, and what is not ok waits for --retry-failed only
+    assert count(tmp_path / "out" / "results.sqlite", "results") == 6
+    assert invoke("status", job).output.splitlines()[-1] == (
+        "next run: 0 of 6 input rows to run (0 new); with --retry-failed, 6")
+    (tmp_path / "data" / "docs.parquet").unlink()  # status still shows what is stored
+    out = invoke("status", job)
+    assert out.exit_code == 0 and "6 rows (schema_mismatch 6)" in out.output
+    assert out.output.splitlines()[-1].startswith("next run: not counted: ") and "docs.parquet" in out.output
+
+
 @pytest.mark.parametrize("args", [["stats", "--job"], ["export", "--format", "csv", "--job"], ["report", "1", "--job"]])
 def test_reading_a_job_that_has_not_run_is_not_found_not_a_damaged_database(make_job, args):
     out = CliRunner().invoke(cli, [*args, str(make_job(rows=2))])
