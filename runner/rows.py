@@ -107,12 +107,13 @@ class StatsRow:
     def build(cls, counts: dict[str, int], tokens: dict[str, int], used: EngineCounters, *, wall_s: float,
               load_s: float, gen_s: float, plan_share: Optional[float], skipped: int, redone: int) -> "StatsRow":
         rows = sum(counts.values())
+        generated = rows - counts.get(Status.FAILED.value, 0)  # a failed row never reached generation
         return cls(
             rows_total=rows, rows_skipped=skipped, rows_redone=redone,
             **{f"rows_{s}": counts.get(s, 0) for s in STATUSES},
             prompt_tokens=tokens["prompt"], completion_tokens=tokens["completion"], cached_prompt_tokens=tokens["cached"],
             wall_s=round(wall_s, 3), engine_load_s=round(load_s, 3), generation_s=round(gen_s, 3),
-            documents_per_s=_rate(rows, gen_s) or 0.0,
+            documents_per_s=_rate(generated, gen_s) or 0.0,
             output_tokens_per_s=_rate(tokens["completion"], gen_s) or 0.0,
             total_tokens_per_s=_rate(tokens["prompt"] + tokens["completion"], gen_s) or 0.0,
             prefix_cache_queries=used.prefix_cache_queries, prefix_cache_hits=used.prefix_cache_hits,

@@ -80,6 +80,18 @@ def test_run_lifecycle_and_stats(tmp_path):
     assert [x["id"] for x in s.latest_runs("j", 5)] == [run]
 
 
+def test_documents_per_second_counts_only_the_rows_that_were_generated():
+    from runner.engines.base import EngineCounters
+    from runner.rows import StatsRow
+
+    def docs_per_s(counts):
+        return StatsRow.build(counts, {"prompt": 10, "completion": 4, "cached": 0}, EngineCounters(), wall_s=3.0,
+                              load_s=1.0, gen_s=2.0, plan_share=None, skipped=0, redone=0).documents_per_s
+
+    assert docs_per_s({"ok": 3, "schema_mismatch": 1, "failed": 2}) == 4 / 2.0  # rejected rows are not speed
+    assert docs_per_s({"failed": 6}) == 0.0  # vLLM rejected every row: nothing was generated
+
+
 def test_abandoned_runs_are_marked_interrupted_at_their_last_stored_row(tmp_path):
     s = Store(tmp_path / "r.sqlite")
     run = s.begin_run("j", "/j.yaml", {})
