@@ -185,7 +185,7 @@ def validate(job, overrides):
     from runner.models import is_model_dir, missing_model
     from runner.readers import LocalReader
     from runner.spec import load_job
-    from runner.store import unwritable_reason
+    from runner.store_sqlite import unwritable_reason
 
     spec = load_job(job, overrides)
     reader = LocalReader(spec.input_path, spec.spec.input)

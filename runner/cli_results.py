@@ -37,7 +37,7 @@ def _database_here(db: Path, job_name) -> None:
     """NotFound where nothing is at `db` yet (the job has not run); StoreError where something else
     is in the way (a folder, a path through a file), which a run would fail on too."""
     from runner.errors import NotFound, StoreError
-    from runner.store import nearest_existing
+    from runner.store_sqlite import nearest_existing
 
     if db.is_file():
         return
@@ -165,6 +165,43 @@ def status(job, overrides):
         say(table(rows))
     say(f"earlier results kept in results_history: {history['history_rows']:,}")
     say(_next_run(spec, store))
+
+
+@cli.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--keep-runs", required=True, type=click.IntRange(min=0),
+              help="Keep the replaced rows that the job's N latest runs made; 0 deletes them all.")
+@click.option("--dry-run", is_flag=True, help="Count the rows that would be deleted; delete nothing.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="A job setting as `runner run --set` took it (output.database, say).")
+@reports_errors
+def prune(job, keep_runs, dry_run, overrides):
+    """Delete from JOB's database the replaced rows (results_history) made by its older runs.
+
+    A changed job, --retry-failed and --restart move the rows they replace to results_history, so
+    that the runs that made them still show and export them; a job restarted every night grows by
+    its size each time. The rows of `results` (what the next run keeps) are never deleted, nor the
+    runs' records and stats: an older run's export then has only its rows still current. SQLite
+    reuses the freed pages; the file does not shrink.
+
+    \b
+    Example:
+      runner prune jobs/summarize.yaml --keep-runs 7    # cron, after the nightly run
+    """
+    from runner.errors import NotFound
+    from runner.spec import load_job
+    from runner.summary import plural
+
+    spec = load_job(job, overrides, check_engine=False)
+    try:
+        store, _ = _open_store(job, None, overrides)
+    except NotFound:
+        say(f"job {spec.name}: nothing to prune ({spec.database_path} does not exist: the job has not run)")
+        return
+    count, oldest_kept = store.prune_history(spec.name, keep_runs, dry_run=dry_run)
+    kept = f"the replaced rows of run {oldest_kept} and later stay" if oldest_kept else "none stays"
+    say(f"job {spec.name}: {plural(count, 'replaced row')} {'would be ' if dry_run else ''}deleted "
+        f"from results_history ({kept})")
 
 
 def _next_run(spec, store) -> str:

@@ -34,30 +34,6 @@ _TO_HISTORY = (f"INSERT INTO results_history (id, {', '.join(RESULT_COLUMNS)}, r
                f"SELECT id, {', '.join(RESULT_COLUMNS)}, ?, ? FROM results WHERE job_name = ?")
 
 
-def nearest_existing(path: Path) -> Path:
-    """The closest of path's folders that exists (a path through a file stops at the file)."""
-    folder = path.parent
-    while not folder.exists():
-        folder = folder.parent
-    return folder
-
-
-def unwritable_reason(path: Path) -> Optional[str]:
-    """Why a run could not make, write or open the database at path (None: it could), found without
-    writing: the file, or the nearest folder that exists above it, must be writable, and a file
-    there must be a SQLite database."""
-    if path.exists():
-        if not (path.is_file() and os.access(path, os.R_OK | os.W_OK)):
-            return "cannot be written: not a writable file"
-        with open(path, "rb") as f:  # an empty file is an empty database to SQLite
-            head = f.read(16)
-        return None if head in (b"", b"SQLite format 3\x00") else "the file there is not a SQLite database"
-    folder = nearest_existing(path)
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        return f"cannot be written: {folder} is not a folder this user can write in"
-    return None
-
-
 class Store(SpeculationRecords):
     """One SQLite results database."""
 
@@ -233,6 +209,19 @@ class Store(SpeculationRecords):
         with self._tx() as conn:
             conn.exec_driver_sql(_TO_HISTORY, (utc_now(), None, job_name))
             return conn.execute(self.results.delete().where(self.results.c.job_name == job_name)).rowcount
+
+    def prune_history(self, job_name: str, keep_runs: int, dry_run: bool = False) -> tuple[int, Optional[int]]:
+        """Delete from results_history the rows that the job's runs before its keep_runs latest made
+        (the rows in `results` stay, whoever made them). Returns (rows deleted, or that would be,
+        the oldest run whose rows stay: None when none do)."""
+        with self._tx() as conn:
+            kept = conn.exec_driver_sql("SELECT min(id) FROM (SELECT id FROM runs WHERE job_name = ? "
+                                        "ORDER BY id DESC LIMIT ?)", (job_name, keep_runs)).scalar()
+            where = "job_name = ? AND run_id < ?" if kept is not None else "job_name = ?"
+            args = (job_name, kept) if kept is not None else (job_name,)
+            verb = "SELECT count(*) FROM" if dry_run else "DELETE FROM"
+            done = conn.exec_driver_sql(f"{verb} results_history WHERE {where}", args)
+            return (done.scalar() if dry_run else done.rowcount), kept
 
     def save_rejected(self, run_id: int, job_name: str, rows: list[tuple[int, Optional[str], str]]) -> None:
         """Input rows a run left out (input.on_bad_row: store): (row number, id, reason). The

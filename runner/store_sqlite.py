@@ -1,8 +1,10 @@
 """The SQLite connection under Store: pragmas (WAL, synchronous=NORMAL, a busy timeout, foreign
 keys), explicit BEGIN, transactions whose errors name the file, and the done-row filter that the
-input-reading thread asks on a connection of its own."""
+input-reading thread asks on a connection of its own; and, without opening it, whether the
+database a job names could be made and written where it is."""
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -117,3 +119,27 @@ def _begin(conn) -> None:
 
 def short_error(exc: Exception) -> str:
     return str(getattr(exc, "orig", None) or exc).splitlines()[0]
+
+
+def nearest_existing(path: Path) -> Path:
+    """The closest of path's folders that exists (a path through a file stops at the file)."""
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    return folder
+
+
+def unwritable_reason(path: Path) -> Optional[str]:
+    """Why a run could not make, write or open the database at path (None: it could), found without
+    writing: the file, or the nearest folder that exists above it, must be writable, and a file
+    there must be a SQLite database."""
+    if path.exists():
+        if not (path.is_file() and os.access(path, os.R_OK | os.W_OK)):
+            return "cannot be written: not a writable file"
+        with open(path, "rb") as f:  # an empty file is an empty database to SQLite
+            head = f.read(16)
+        return None if head in (b"", b"SQLite format 3\x00") else "the file there is not a SQLite database"
+    folder = nearest_existing(path)
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot be written: {folder} is not a folder this user can write in"
+    return None

@@ -20,7 +20,7 @@ def invoke():
 
 
 @pytest.mark.parametrize("command", [[], ["run"], ["validate"], ["plan"], ["stats"], ["report"], ["export"],
-                                     ["prepare-model"], ["calibrate"], ["status"]])
+                                     ["prepare-model"], ["calibrate"], ["status"], ["prune"]])
 def test_every_command_has_help_with_an_example(invoke, command):
     out = invoke(*command, "--help")
     assert out.exit_code == 0
@@ -140,5 +140,5 @@ def test_python_dash_m_knows_every_command():
     import sys
 
     out = subprocess.run([sys.executable, "-m", "runner.cli", "--help"], capture_output=True, text=True, timeout=60)
-    for command in ("run", "validate", "plan", "calibrate", "verify", "distill", "status", "stats", "report", "export"):
+    for command in ("run", "validate", "plan", "calibrate", "verify", "distill", "status", "prune", "stats", "report", "export"):
         assert f"  {command} " in out.stdout, command

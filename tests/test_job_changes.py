@@ -231,6 +231,33 @@ def test_status_counts_what_the_next_run_has_to_do_as_the_run_does(make_job, tmp
     assert out.output.splitlines()[-1].startswith("next run: not counted: ") and "docs.parquet" in out.output
 
 
+def test_prune_deletes_the_replaced_rows_of_older_runs_and_never_a_current_one(make_job, tmp_path):
+    job = make_job(rows=3)
+    db = tmp_path / "out" / "results.sqlite"
+    out = invoke("prune", job, "--keep-runs", "1")
+    assert out.exit_code == 0 and "nothing to prune" in out.output and not db.exists()
+    for _ in range(4):  # a job restarted every night: each run sets the last one's rows aside
+        assert invoke("run", "--engine", "fake", "--quiet", "--restart", job).exit_code == 0
+    current = rows(db, "row_id", "run_id")
+    assert {r[1] for r in current} == {4} and count(db, "results_history") == 9
+    out = invoke("prune", job, "--keep-runs", "2", "--dry-run")
+    assert out.exit_code == 0 and "6 replaced rows would be deleted" in out.output and "run 3 and later" in out.output
+    assert count(db, "results_history") == 9  # a dry run deletes nothing
+    out = invoke("prune", job, "--keep-runs", "2")
+    assert out.exit_code == 0 and "6 replaced rows deleted" in out.output
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT DISTINCT run_id FROM results_history").fetchall() == [(3,)]
+    assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 4  # the runs' records and stats stay
+    con.close()
+    assert rows(db, "row_id", "run_id") == current
+    pruned = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "jsonl"])
+    assert pruned.exit_code == 0 and pruned.stdout == ""  # its rows were all replaced, and are gone
+    assert invoke("stats", "1", "--db", db).exit_code == 0
+    out = invoke("prune", job, "--keep-runs", "0")
+    assert "3 replaced rows deleted" in out.output and "none stays" in out.output
+    assert count(db, "results_history") == 0 and rows(db, "row_id", "run_id") == current
+
+
 @pytest.mark.parametrize("args", [["stats", "--job"], ["export", "--format", "csv", "--job"], ["report", "1", "--job"]])
 def test_reading_a_job_that_has_not_run_is_not_found_not_a_damaged_database(make_job, args):
     out = CliRunner().invoke(cli, [*args, str(make_job(rows=2))])
