@@ -124,7 +124,7 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
     from runner.run import run_job
     from runner.spec import load_job
 
-    spec = load_job(job, overrides + ((f"input.limit={limit}",) if limit else ())).with_executor(executor)
+    spec = load_job(job, overrides + ((f"input.limit={limit}",) if limit else ()), executor=executor)
     log, redirect = _engine_output(spec, verbose, "run")
     with redirect:
         summary = run_job(

@@ -139,12 +139,6 @@ class Job(BaseModel):
 
         return render
 
-    def with_executor(self, executor: Optional[str]) -> "Job":
-        """The job run by another executor (the CLI's --executor)."""
-        if not executor or executor == self.spec.executor:
-            return self
-        return self.model_copy(update={"spec": self.spec.model_copy(update={"executor": executor})})
-
     def snapshot(self) -> dict[str, Any]:
         """The resolved configuration, as stored with each run."""
         return {
@@ -268,12 +262,17 @@ def _check_sampling_args(extra_args: dict[str, Any], job_path: Path) -> None:
                         f"({vllm_version()}){hint}")
 
 
-def load_job(path: str | Path, overrides: Sequence[str] = (), check_engine: bool = True) -> Job:
+def load_job(path: str | Path, overrides: Sequence[str] = (), check_engine: bool = True,
+             executor: Optional[str] = None) -> Job:
     """Load and validate a job file, its engine config and its output schema. `overrides` are
     KEY=VALUE settings from the command line (`engine.max_num_seqs=64`): they beat the job file,
     which beats the engine config file, which beats the defaults. `check_engine=False` (commands
-    that only read results) skips what vLLM would refuse (the model's length, tokens a step)."""
+    that only read results) skips what vLLM would refuse (the model's length, tokens a step).
+    `executor` (`runner run --executor`) replaces the job's before it is checked: what the job is
+    checked against (the installed vLLM, or a Ray cluster's) depends on it."""
     raw = apply_overrides(read_yaml(Path(path)), overrides)
+    if executor:
+        raw["executor"] = executor
     try:
         return _load(Path(path), raw, check_engine)
     except SpecError as exc:

@@ -70,6 +70,19 @@ def test_bad_job_names_file_and_field(make_job, mutate, expected):
     assert "\n" not in str(err.value)
 
 
+def test_a_job_run_with_another_executor_is_checked_as_that_executor_runs_it(make_job):
+    # Ray's replicas run the cluster's vLLM: a sampling field this machine's vLLM lacks is theirs to refuse
+    path = make_job(job={"sampling": {"temperature": 0, "max_tokens": 64, "extra_args": {"ignore_eso": True}}})
+    with pytest.raises(SpecError, match="not a field of vllm.SamplingParams"):
+        load_job(path)
+    job = load_job(path, executor="ray")
+    assert job.spec.executor == "ray" and job.spec.sampling.extra_args == {"ignore_eso": True}
+    ray_job = make_job(job={"executor": "ray", "sampling": {"temperature": 0, "max_tokens": 64,
+                                                             "extra_args": {"ignore_eso": True}}})
+    with pytest.raises(SpecError, match="not a field of vllm.SamplingParams"):
+        load_job(ray_job, executor="local")  # and a Ray job run here is checked against this vLLM
+
+
 @pytest.mark.parametrize("mode", ["FULL", "full", " Full ", 2])
 def test_whole_step_graphs_of_steps_that_prefill_are_refused(make_job, mode):
     """cudagraph_mode FULL broke outputs on an H200 (vLLM 0.26): refused in the engine config file,
