@@ -8,7 +8,7 @@ import click
 
 from runner.cli import cli, reports_errors
 from runner.cli_output import say, stats_table, table, warn
-from runner.summary import fmt
+from runner.summary import fmt, plural
 
 
 def _open_store(job, db, overrides=()):
@@ -127,8 +127,8 @@ def status(job, overrides):
 
     The current version's rows are kept by the next run; rows made by another version (a changed
     schema, prompt, sampling or model) run again, and the parts that changed are listed. The last
-    line counts what the next `runner run` has to do with the input as it is now (its row ids are
-    read, nothing else).
+    line counts what the next `runner run` has to do with the input as it is now (read and checked
+    as a run checks it; no engine starts).
 
     \b
     Example:
@@ -148,7 +148,7 @@ def status(job, overrides):
     current, components = result_fingerprint(spec)
     known = store.fingerprint_components(spec.name)
     *groups, history = store.rows_by_fingerprint(spec.name)
-    say(f"job {spec.name}: {sum(g['rows'] for g in groups):,} rows stored in {store.path}")
+    say(f"job {spec.name}: {plural(sum(g['rows'] for g in groups), 'row')} stored in {store.path}")
     rows = []
     for g in groups:
         fp = g["fingerprint"]
@@ -159,7 +159,7 @@ def status(job, overrides):
         else:
             what = "changed: " + (", ".join(changed_parts(known[fp], components)) if fp in known else "unknown")
         statuses = ", ".join(f"{k} {v}" for k, v in sorted(g["statuses"].items()))
-        rows.append((fp or "-", f"{g['rows']:,} rows ({statuses}), made {g['first_at_utc'][:16]} .. "
+        rows.append((fp or "-", f"{plural(g['rows'], 'row')} ({statuses}), made {g['first_at_utc'][:16]} .. "
                                 f"{g['last_at_utc'][:16]}; {what}"))
     if rows:
         say(table(rows))
@@ -169,28 +169,28 @@ def status(job, overrides):
 
 @cli.command()
 @click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--keep-runs", required=True, type=click.IntRange(min=0),
-              help="Keep the replaced rows that the job's N latest runs made; 0 deletes them all.")
+@click.option("--keep-versions", required=True, type=click.IntRange(min=0, max=1_000_000),
+              help="Replaced versions to keep of each row, the most recent; 0 deletes them all.")
 @click.option("--dry-run", is_flag=True, help="Count the rows that would be deleted; delete nothing.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="A job setting as `runner run --set` took it (output.database, say).")
 @reports_errors
-def prune(job, keep_runs, dry_run, overrides):
-    """Delete from JOB's database the replaced rows (results_history) made by its older runs.
+def prune(job, keep_versions, dry_run, overrides):
+    """Delete from JOB's database the older replaced versions of its rows (results_history).
 
     A changed job, --retry-failed and --restart move the rows they replace to results_history, so
-    that the runs that made them still show and export them; a job restarted every night grows by
-    its size each time. The rows of `results` (what the next run keeps) are never deleted, nor the
-    runs' records and stats: an older run's export then has only its rows still current. SQLite
-    reuses the freed pages; the file does not shrink.
+    that the runs that made them still show and export them: a job restarted every night grows by
+    its size each time. Each row keeps its N most recently replaced versions. The rows of `results`
+    (what the next run keeps) are never deleted, nor the runs' records and stats; an older run's
+    export and report then hold only its rows still stored, and say how many are not. SQLite reuses
+    the freed pages; the file does not shrink.
 
     \b
     Example:
-      runner prune jobs/summarize.yaml --keep-runs 7    # cron, after the nightly run
+      runner prune jobs/summarize.yaml --keep-versions 7    # cron, after a nightly --restart
     """
     from runner.errors import NotFound
     from runner.spec import load_job
-    from runner.summary import plural
 
     spec = load_job(job, overrides, check_engine=False)
     try:
@@ -198,10 +198,11 @@ def prune(job, keep_runs, dry_run, overrides):
     except NotFound:
         say(f"job {spec.name}: nothing to prune ({spec.database_path} does not exist: the job has not run)")
         return
-    count, oldest_kept = store.prune_history(spec.name, keep_runs, dry_run=dry_run)
-    kept = f"the replaced rows of run {oldest_kept} and later stay" if oldest_kept else "none stays"
-    say(f"job {spec.name}: {plural(count, 'replaced row')} {'would be ' if dry_run else ''}deleted "
-        f"from results_history ({kept})")
+    count = store.prune_history(spec.name, keep_versions, dry_run=dry_run)
+    kept = {0: "none kept", 1: "each row keeps its latest replaced version"}.get(
+        keep_versions, f"each row keeps its {keep_versions:,} latest replaced versions")
+    say(f"job {spec.name}: {plural(count, 'replaced row')} {'would be ' if dry_run else ''}deleted from "
+        f"results_history ({kept})")
 
 
 def _next_run(spec, store) -> str:
@@ -212,7 +213,6 @@ def _next_run(spec, store) -> str:
     from runner.errors import InputError, SpecError
     from runner.fingerprint import result_fingerprint
     from runner.readers import LocalReader
-    from runner.summary import plural
 
     try:
         scan = LocalReader(spec.input_path, spec.spec.input).scan(keep_ids=store is not None)
@@ -226,10 +226,13 @@ def _next_run(spec, store) -> str:
         ok, _ = store.input_counts(spec.name, scan.ids.path, fingerprint, ok_only=True)
     finally:
         scan.ids.close()
-    todo = scan.rows - kept
+    todo, retry = scan.rows - kept, scan.rows - ok
+    also = f"; {retry:,} with --retry-failed" if retry else ""
+    if not todo:
+        return "next run: nothing to run " + (f"(all {plural(scan.rows, 'input row')} stored){also}" if scan.rows
+                                              else "(the input has no rows)")
     parts = [f"{todo - redo:,} new"] + ([f"{redo:,} stored by another version"] if redo else [])
-    return (f"next run: {todo:,} of {plural(scan.rows, 'input row')} to run ({', '.join(parts)}); "
-            f"with --retry-failed, {scan.rows - ok:,}")
+    return f"next run: {todo:,} of {plural(scan.rows, 'input row')} to run ({', '.join(parts)}){also}"
 
 
 @cli.command()
@@ -289,4 +292,6 @@ def export(run_id, job, db, overrides, fmt_, output):
         raise SpecError("give RUN_ID, or --job JOB to export the whole job")
     to_stdout = output == "-"
     n = export_run(store, run_id, fmt_, None if to_stdout else Path(output), None if run_id is not None else job_name)
-    (warn if to_stdout else say)(f"Exported {n:,} rows to {'stdout' if to_stdout else output}")
+    (warn if to_stdout else say)(f"Exported {plural(n, 'row')} to {'stdout' if to_stdout else output}")
+    if run_id is not None and (gone := store.rows_not_stored(run_id)):
+        warn(f"Note: {plural(gone, 'more row')} of run {run_id} no longer stored (deleted by runner prune)")

@@ -99,7 +99,8 @@ class ResultCollector:
             attempts=f.attempt, first_status=f.first_status, fingerprint=self.fingerprint,
             output_token_ids_json=json.dumps(c.token_ids) if c.token_ids else None))
         self.counts[status.value] += 1
-        self.tokens["prompt"] += c.prompt_tokens
+        if status is not Status.FAILED:  # a failed row never reached the engine: its prompt is not speed
+            self.tokens["prompt"] += c.prompt_tokens
         self.tokens["completion"] += c.completion_tokens
         self.tokens["cached"] += c.cached_prompt_tokens
         now = self.clock()

@@ -85,7 +85,10 @@ def render_report(store: Store, run_id: int) -> str:
         g["prompt"] += r["prompt_tokens"]
         g["cached"] += r["cached_prompt_tokens"]
         g["latency"].append(r["latency_ms"])
-    body = [_summary(run, stats, by_status), _throughput(store.samples(run_id)), _groups(groups, by_status),
+    gone = store.rows_not_stored(run_id)
+    if gone:  # rows by status as the run counted them; the other charts show the rows still stored
+        by_status = defaultdict(int, store.result_counts(run_id))
+    body = [_summary(run, stats, by_status, gone), _throughput(store.samples(run_id)), _groups(groups, by_status),
             f'<section id="tokens"><h2>Token counts</h2><h3>Prompt tokens per row</h3>'
             f'{histogram([r["prompt_tokens"] for r in rows])}'
             f'<h3>Completion tokens per row</h3>{histogram([r["completion_tokens"] for r in rows])}</section>']
@@ -95,12 +98,13 @@ def render_report(store: Store, run_id: int) -> str:
             f"<style>{style}</style></head><body><h1>Run {run_id}: {_esc(run['job_name'])}</h1>{''.join(body)}</body></html>")
 
 
-def _summary(run: dict, stats: dict, statuses: dict[str, int]) -> str:
+def _summary(run: dict, stats: dict, statuses: dict[str, int], gone: int) -> str:
     settings = json.loads(run["engine_settings_json"] or "{}")
     summary = [
         ("job", run["job_name"]), ("status", run["status"]), ("started (UTC)", run["started_at_utc"]),
         ("ended (UTC)", run["ended_at_utc"] or "-"),
         *stats_lines(stats, statuses),
+        *([("rows no longer stored", f"{gone:,} (deleted by runner prune: not in the charts below)")] if gone else []),
         ("engine", f"{run['engine_backend'] or '-'} {run['engine_version'] or ''}"),
         *describe_settings(run["engine_backend"], settings),
     ]

@@ -128,7 +128,7 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     try:
         job, work.grammar = job_with_grammar(job)  # one backend for every engine; measured while vLLM imports
         if work.redone and opts.notify is not None:
-            opts.notify(f"running {work.redone:,} stored rows again: " + ("--retry-failed" if opts.retry_failed else
+            opts.notify(f"running {plural(work.redone, 'stored row')} again: " + ("--retry-failed" if opts.retry_failed else
                         "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"))
         key = calibration_key(job, scan.system_prompt_keys)
         job, gated = _verify_gate(job, store, key, opts)

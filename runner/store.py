@@ -21,7 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from runner import __version__
 from runner.errors import StoreError
 from runner.migrations import migrate, utc_now
-from runner.rows import RESULT_COLUMNS, ResultRow, StatsRow
+from runner.rows import RESULT_COLUMNS, STATUSES, ResultRow, StatsRow
 from runner.store_speculation import SpeculationRecords
 from runner.store_sqlite import BUSY_TIMEOUT_MS, DoneFilter, Transaction, short_error, sqlite_engine
 
@@ -210,18 +210,15 @@ class Store(SpeculationRecords):
             conn.exec_driver_sql(_TO_HISTORY, (utc_now(), None, job_name))
             return conn.execute(self.results.delete().where(self.results.c.job_name == job_name)).rowcount
 
-    def prune_history(self, job_name: str, keep_runs: int, dry_run: bool = False) -> tuple[int, Optional[int]]:
-        """Delete from results_history the rows that the job's runs before its keep_runs latest made
-        (the rows in `results` stay, whoever made them). Returns (rows deleted, or that would be,
-        the oldest run whose rows stay: None when none do)."""
+    def prune_history(self, job_name: str, keep_versions: int, dry_run: bool = False) -> int:
+        """Delete from results_history all but the keep_versions most recently replaced versions of
+        each of the job's rows (the rows of `results` stay). Returns the rows deleted, or that would be."""
+        older = ("SELECT rowid FROM (SELECT rowid, row_number() OVER (PARTITION BY row_id ORDER BY rowid DESC) AS n "
+                 "FROM results_history WHERE job_name = ?) WHERE n > ?")
+        verb = "SELECT count(*) FROM" if dry_run else "DELETE FROM"
         with self._tx() as conn:
-            kept = conn.exec_driver_sql("SELECT min(id) FROM (SELECT id FROM runs WHERE job_name = ? "
-                                        "ORDER BY id DESC LIMIT ?)", (job_name, keep_runs)).scalar()
-            where = "job_name = ? AND run_id < ?" if kept is not None else "job_name = ?"
-            args = (job_name, kept) if kept is not None else (job_name,)
-            verb = "SELECT count(*) FROM" if dry_run else "DELETE FROM"
-            done = conn.exec_driver_sql(f"{verb} results_history WHERE {where}", args)
-            return (done.scalar() if dry_run else done.rowcount), kept
+            done = conn.exec_driver_sql(f"{verb} results_history WHERE rowid IN ({older})", (job_name, keep_versions))
+            return done.scalar() if dry_run else done.rowcount
 
     def save_rejected(self, run_id: int, job_name: str, rows: list[tuple[int, Optional[str], str]]) -> None:
         """Input rows a run left out (input.on_bad_row: store): (row number, id, reason). The
@@ -271,7 +268,19 @@ class Store(SpeculationRecords):
             return conn.execute(q).scalar()
 
     def result_counts(self, run_id: int) -> dict[str, int]:
-        """A run's rows by status, those a later run replaced included (as export and report show them)."""
+        """A run's rows by status, those a later run replaced included (as export and report show
+        them); where some are no longer stored (`runner prune`), as the run counted them."""
+        stored, stats = self._stored_counts(run_id), self.stats(run_id)
+        if stats and sum(stored.values()) < stats["rows_total"]:
+            return {s: stats[f"rows_{s}"] for s in STATUSES if stats[f"rows_{s}"]}
+        return stored
+
+    def rows_not_stored(self, run_id: int) -> int:
+        """How many of the rows a run stored are kept nowhere now (deleted by `runner prune`)."""
+        stats = self.stats(run_id)
+        return max(0, stats["rows_total"] - sum(self._stored_counts(run_id).values())) if stats else 0
+
+    def _stored_counts(self, run_id: int) -> dict[str, int]:
         out: dict[str, int] = {}
         with self.engine.connect() as conn:
             for table in (self.results, self.history):

@@ -212,50 +212,58 @@ def test_status_counts_what_the_next_run_has_to_do_as_the_run_does(make_job, tmp
     assert invoke("run", "--engine", "fake", "--quiet", "--limit", "4", job).exit_code == 0
     out = invoke("status", job)
     assert out.exit_code == 0
-    assert out.output.splitlines()[-1] == "next run: 2 of 6 input rows to run (2 new); with --retry-failed, 2"
+    assert out.output.splitlines()[-1] == "next run: 2 of 6 input rows to run (2 new); 2 with --retry-failed"
     # a changed schema that no output can meet: the 4 stored rows run again, and then none is ok
     impossible = SCHEMA | {"properties": SCHEMA["properties"] | {"summary": {"type": "string", "pattern": "^x$"}}}
     (tmp_path / "schemas" / "out.json").write_text(json.dumps(impossible))
     # (--retry-failed keeps every ok row, whatever version made it: only the 2 new ones would run)
     assert invoke("status", job).output.splitlines()[-1] == (
-        "next run: 6 of 6 input rows to run (2 new, 4 stored by another version); with --retry-failed, 2")
+        "next run: 6 of 6 input rows to run (2 new, 4 stored by another version); 2 with --retry-failed")
     run = invoke("run", "--engine", "fake", "--quiet", job)
     assert run.exit_code == 0 and "6 rows" in invoke("status", job).output
     # what status counted is what the run did, and what is not ok waits for --retry-failed only
     assert count(tmp_path / "out" / "results.sqlite", "results") == 6
-    assert invoke("status", job).output.splitlines()[-1] == (
-        "next run: 0 of 6 input rows to run (0 new); with --retry-failed, 6")
+    assert invoke("status", job).output.splitlines()[-1] == "next run: nothing to run (all 6 input rows stored); 6 with --retry-failed"
     (tmp_path / "data" / "docs.parquet").unlink()  # status still shows what is stored
     out = invoke("status", job)
     assert out.exit_code == 0 and "6 rows (schema_mismatch 6)" in out.output
     assert out.output.splitlines()[-1].startswith("next run: not counted: ") and "docs.parquet" in out.output
 
 
-def test_prune_deletes_the_replaced_rows_of_older_runs_and_never_a_current_one(make_job, tmp_path):
+def test_prune_keeps_the_latest_replaced_versions_of_each_row_and_never_a_current_one(make_job, tmp_path):
     job = make_job(rows=3)
     db = tmp_path / "out" / "results.sqlite"
-    out = invoke("prune", job, "--keep-runs", "1")
+    out = invoke("prune", job, "--keep-versions", "1")
     assert out.exit_code == 0 and "nothing to prune" in out.output and not db.exists()
-    for _ in range(4):  # a job restarted every night: each run sets the last one's rows aside
-        assert invoke("run", "--engine", "fake", "--quiet", "--restart", job).exit_code == 0
+    assert invoke("run", "--engine", "fake", "--quiet", "--limit", "2", job).exit_code == 0  # run 1: r000, r001
+    for _ in range(3):  # a job restarted every night: each run sets the last one's rows aside
+        assert invoke("run", "--engine", "fake", "--quiet", "--restart", job).exit_code == 0  # runs 2-4: all 3
     current = rows(db, "row_id", "run_id")
-    assert {r[1] for r in current} == {4} and count(db, "results_history") == 9
-    out = invoke("prune", job, "--keep-runs", "2", "--dry-run")
-    assert out.exit_code == 0 and "6 replaced rows would be deleted" in out.output and "run 3 and later" in out.output
-    assert count(db, "results_history") == 9  # a dry run deletes nothing
-    out = invoke("prune", job, "--keep-runs", "2")
-    assert out.exit_code == 0 and "6 replaced rows deleted" in out.output
+    assert {r[1] for r in current} == {4} and count(db, "results_history") == 2 + 3 + 3
+    out = invoke("prune", job, "--keep-versions", "2", "--dry-run")
+    assert out.exit_code == 0 and out.output.strip() == (
+        "job t: 2 replaced rows would be deleted from results_history (each row keeps its 2 latest replaced versions)")
+    assert count(db, "results_history") == 8  # a dry run deletes nothing
+    assert invoke("prune", job, "--keep-versions", "2").exit_code == 0
     con = sqlite3.connect(db)
-    assert con.execute("SELECT DISTINCT run_id FROM results_history").fetchall() == [(3,)]
+    # run 1's versions of r000 and r001 were each row's third: gone; r002 had only two
+    assert con.execute("SELECT run_id, count(*) FROM results_history GROUP BY run_id").fetchall() == [(2, 3), (3, 3)]
     assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 4  # the runs' records and stats stay
     con.close()
     assert rows(db, "row_id", "run_id") == current
+    # run 1's export and stats: its rows are gone, and they say so; its counts are still its own
     pruned = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "jsonl"])
-    assert pruned.exit_code == 0 and pruned.stdout == ""  # its rows were all replaced, and are gone
-    assert invoke("stats", "1", "--db", db).exit_code == 0
-    out = invoke("prune", job, "--keep-runs", "0")
-    assert "3 replaced rows deleted" in out.output and "none stays" in out.output
+    assert pruned.exit_code == 0 and pruned.stdout == ""
+    assert "Note: 2 more rows of run 1 no longer stored (deleted by runner prune)" in pruned.stderr
+    stats = json.loads(CliRunner().invoke(cli, ["stats", "1", "--db", str(db), "--json"]).stdout)
+    assert stats[0]["rows_by_status"] == {"ok": 2}
+    report = CliRunner().invoke(cli, ["report", "1", "--db", str(db)])
+    assert report.exit_code == 0 and "rows no longer stored" in report.stdout
+    out = invoke("prune", job, "--keep-versions", "0")
+    assert "6 replaced rows deleted" in out.output and "none kept" in out.output
     assert count(db, "results_history") == 0 and rows(db, "row_id", "run_id") == current
+    out = invoke("prune", job, "--keep-versions", str(2 ** 63))  # a number SQLite cannot hold: refused, not a traceback
+    assert out.exit_code == 2 and "--keep-versions" in out.output
 
 
 @pytest.mark.parametrize("args", [["stats", "--job"], ["export", "--format", "csv", "--job"], ["report", "1", "--job"]])

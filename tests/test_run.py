@@ -147,6 +147,14 @@ def test_too_long_document_fails_or_is_truncated(make_job, tmp_path):
     rows = results(job)
     assert rows["r001"]["status"] == "failed" and "exceeds max_model_len=1024" in rows["r001"]["error"]
     assert [r.row_id for r in seen.seen] == ["r000", "r002"]
+    # the row keeps its length (why it failed); the run's token counts and speeds are of what ran
+    assert rows["r001"]["prompt_tokens"] > 1024
+    con = sqlite3.connect(job.database_path)
+    prompt, total_per_s, gen_s, completion = con.execute(
+        "SELECT prompt_tokens, total_tokens_per_s, generation_s, completion_tokens FROM run_stats").fetchone()
+    con.close()
+    assert prompt == rows["r000"]["prompt_tokens"] + rows["r002"]["prompt_tokens"]
+    assert total_per_s == pytest.approx((prompt + completion) / gen_s, rel=0.01)
 
     job2 = load_job(make_job(docs=docs, job={"name": "t2", "input": {"on_too_long": "truncate"}}))
     seen2 = FakeEngine(SCHEMA)
