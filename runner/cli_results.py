@@ -198,6 +198,9 @@ def prune(job, keep_versions, dry_run, overrides):
     except NotFound:
         say(f"job {spec.name}: nothing to prune ({spec.database_path} does not exist: the job has not run)")
         return
+    if not store.latest_runs(spec.name):  # a misspelt --set name=... deletes nothing, and says why
+        say(f"job {spec.name}: nothing to prune (no run of it in {spec.database_path})")
+        return
     count = store.prune_history(spec.name, keep_versions, dry_run=dry_run)
     kept = {0: "none kept", 1: "each row keeps its latest replaced version"}.get(
         keep_versions, f"each row keeps its {keep_versions:,} latest replaced versions")
@@ -227,7 +230,7 @@ def _next_run(spec, store) -> str:
     finally:
         scan.ids.close()
     todo, retry = scan.rows - kept, scan.rows - ok
-    also = f"; {retry:,} with --retry-failed" if retry else ""
+    also = f"; {retry:,} with --retry-failed" if retry != todo else ""
     if not todo:
         return "next run: nothing to run " + (f"(all {plural(scan.rows, 'input row')} stored){also}" if scan.rows
                                               else "(the input has no rows)")
@@ -294,4 +297,5 @@ def export(run_id, job, db, overrides, fmt_, output):
     n = export_run(store, run_id, fmt_, None if to_stdout else Path(output), None if run_id is not None else job_name)
     (warn if to_stdout else say)(f"Exported {plural(n, 'row')} to {'stdout' if to_stdout else output}")
     if run_id is not None and (gone := store.rows_not_stored(run_id)):
-        warn(f"Note: {plural(gone, 'more row')} of run {run_id} no longer stored (deleted by runner prune)")
+        warn(f"Note: run {run_id} stored {plural(gone, 'more row')} than are kept now (runner prune deletes "
+             "replaced rows)")

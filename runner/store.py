@@ -213,8 +213,8 @@ class Store(SpeculationRecords):
     def prune_history(self, job_name: str, keep_versions: int, dry_run: bool = False) -> int:
         """Delete from results_history all but the keep_versions most recently replaced versions of
         each of the job's rows (the rows of `results` stay). Returns the rows deleted, or that would be."""
-        older = ("SELECT rowid FROM (SELECT rowid, row_number() OVER (PARTITION BY row_id ORDER BY rowid DESC) AS n "
-                 "FROM results_history WHERE job_name = ?) WHERE n > ?")
+        older = ("SELECT rowid FROM (SELECT rowid, row_number() OVER (PARTITION BY row_id "
+                 "ORDER BY replaced_at_utc DESC, rowid DESC) AS n FROM results_history WHERE job_name = ?) WHERE n > ?")
         verb = "SELECT count(*) FROM" if dry_run else "DELETE FROM"
         with self._tx() as conn:
             done = conn.exec_driver_sql(f"{verb} results_history WHERE rowid IN ({older})", (job_name, keep_versions))
@@ -276,7 +276,8 @@ class Store(SpeculationRecords):
         return stored
 
     def rows_not_stored(self, run_id: int) -> int:
-        """How many of the rows a run stored are kept nowhere now (deleted by `runner prune`)."""
+        """How many of the rows a run counted in its stats are kept nowhere now (`runner prune` deletes
+        replaced rows; before results_history, --restart deleted them)."""
         stats = self.stats(run_id)
         return max(0, stats["rows_total"] - sum(self._stored_counts(run_id).values())) if stats else 0
 

@@ -212,7 +212,7 @@ def test_status_counts_what_the_next_run_has_to_do_as_the_run_does(make_job, tmp
     assert invoke("run", "--engine", "fake", "--quiet", "--limit", "4", job).exit_code == 0
     out = invoke("status", job)
     assert out.exit_code == 0
-    assert out.output.splitlines()[-1] == "next run: 2 of 6 input rows to run (2 new); 2 with --retry-failed"
+    assert out.output.splitlines()[-1] == "next run: 2 of 6 input rows to run (2 new)"  # --retry-failed: the same
     # a changed schema that no output can meet: the 4 stored rows run again, and then none is ok
     impossible = SCHEMA | {"properties": SCHEMA["properties"] | {"summary": {"type": "string", "pattern": "^x$"}}}
     (tmp_path / "schemas" / "out.json").write_text(json.dumps(impossible))
@@ -240,6 +240,10 @@ def test_prune_keeps_the_latest_replaced_versions_of_each_row_and_never_a_curren
         assert invoke("run", "--engine", "fake", "--quiet", "--restart", job).exit_code == 0  # runs 2-4: all 3
     current = rows(db, "row_id", "run_id")
     assert {r[1] for r in current} == {4} and count(db, "results_history") == 2 + 3 + 3
+    con = sqlite3.connect(db)  # the table's physical order reversed (rebuilt, or copied by some tool)
+    con.executescript("CREATE TEMP TABLE h AS SELECT * FROM results_history ORDER BY rowid DESC; "
+                      "DELETE FROM results_history; INSERT INTO results_history SELECT * FROM h;")
+    con.close()
     out = invoke("prune", job, "--keep-versions", "2", "--dry-run")
     assert out.exit_code == 0 and out.output.strip() == (
         "job t: 2 replaced rows would be deleted from results_history (each row keeps its 2 latest replaced versions)")
@@ -254,11 +258,13 @@ def test_prune_keeps_the_latest_replaced_versions_of_each_row_and_never_a_curren
     # run 1's export and stats: its rows are gone, and they say so; its counts are still its own
     pruned = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "jsonl"])
     assert pruned.exit_code == 0 and pruned.stdout == ""
-    assert "Note: 2 more rows of run 1 no longer stored (deleted by runner prune)" in pruned.stderr
+    assert "Note: run 1 stored 2 more rows than are kept now (runner prune deletes replaced rows)" in pruned.stderr
     stats = json.loads(CliRunner().invoke(cli, ["stats", "1", "--db", str(db), "--json"]).stdout)
     assert stats[0]["rows_by_status"] == {"ok": 2}
     report = CliRunner().invoke(cli, ["report", "1", "--db", str(db)])
     assert report.exit_code == 0 and "rows no longer stored" in report.stdout
+    out = invoke("prune", job, "--keep-versions", "0", "--set", "name=tt")  # a misspelt job: no run of it here
+    assert out.exit_code == 0 and "nothing to prune (no run of it in" in out.output and count(db, "results_history") == 6
     out = invoke("prune", job, "--keep-versions", "0")
     assert "6 replaced rows deleted" in out.output and "none kept" in out.output
     assert count(db, "results_history") == 0 and rows(db, "row_id", "run_id") == current
