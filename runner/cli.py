@@ -1,6 +1,7 @@
 """The `runner` command line: thin commands over the core. The only place errors become messages.
 
-Commands that read results (stats, status, report, export) live in runner/cli_results.py.
+Commands that read results (stats, report, export) live in runner/cli_results.py; status and prune
+in runner/cli_stored.py.
 """
 from __future__ import annotations
 
@@ -279,7 +280,7 @@ def prepare_model(force):
     say(f"{'Converted' if converted else 'Already prepared'}: {path}")
 
 
-for _module in ("runner.cli_results", "runner.cli_speculation"):  # register their commands on `cli`
+for _module in ("runner.cli_results", "runner.cli_stored", "runner.cli_speculation"):  # register their commands on `cli`
     importlib.import_module(_module)
 
 
@@ -294,6 +295,6 @@ def main():  # console-script entry point; the guard matters for vLLM's spawned 
 
 
 if __name__ == "__main__":
-    # `python -m runner.cli`: the commands of cli_results and cli_speculation register on the
+    # `python -m runner.cli`: the commands of cli_results, cli_stored and cli_speculation register on the
     # imported module's group, not on this __main__ copy of it.
     importlib.import_module("runner.cli").main()

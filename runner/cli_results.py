@@ -1,4 +1,4 @@
-"""Commands that read a results database: stats, status, report, export."""
+"""Commands that read a results database: stats, report, export (status and prune: runner/cli_stored.py)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from runner.cli import cli, reports_errors
-from runner.cli_output import say, stats_table, table, warn
+from runner.cli_output import say, stats_table, warn
 from runner.summary import fmt, plural
 
 
@@ -97,8 +97,10 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
     for r in runs:
         s = store.stats(r["id"]) or {}
         say(f"run {r['id']}  {r['job_name']}  {r['status']}  started {r['started_at_utc']}")
+        gone = store.rows_not_stored(r["id"])
         say(stats_table(s, store.result_counts(r["id"]), [
             ("rows run again", fmt(s.get("rows_redone"))),
+            *([("rows no longer stored", f"{gone:,} (runner prune deletes replaced rows)")] if gone else []),
             ("engine", f"{r['engine_backend'] or '-'} {r['engine_version'] or ''} {r['engine_settings_json'] or ''}"),
             ("engine log", r.get("log_path") or "-"),
         ] + ([("error", r["error"])] if r["error"] else [])))
@@ -111,131 +113,12 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def _run_json(store, r: dict) -> dict:
-    """A run as JSON: its record (JSON columns parsed), stats and result counts by status."""
+    """A run as JSON: its record (JSON columns parsed), stats, result counts by status and how many
+    of its rows are no longer stored."""
     run = {k: (json.loads(v) if k.endswith("_json") and v else v) for k, v in r.items()}
     stats = {k: (json.loads(v) if k.endswith("_json") and v else v) for k, v in (store.stats(r["id"]) or {}).items()}
-    return {"run": run, "stats": stats, "rows_by_status": store.result_counts(r["id"])}
-
-
-@cli.command()
-@click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="A job setting as `runner run --set` took it: the version of the job to compare with.")
-@reports_errors
-def status(job, overrides):
-    """Show JOB's stored rows by the version of the job that made them (their fingerprint).
-
-    The current version's rows are kept by the next run; rows made by another version (a changed
-    schema, prompt, sampling or model) run again, and the parts that changed are listed. The last
-    line counts what the next `runner run` has to do with the input as it is now (read and checked
-    as a run checks it; no engine starts).
-
-    \b
-    Example:
-      runner status jobs/summarize.yaml
-    """
-    from runner.errors import NotFound
-    from runner.fingerprint import changed_parts, result_fingerprint
-    from runner.spec import load_job
-
-    spec = load_job(job, overrides, check_engine=False)  # results only: no engine starts
-    try:
-        store, _ = _open_store(job, None, overrides)
-    except NotFound:
-        say(f"job {spec.name}: no rows stored yet ({spec.database_path} does not exist: the job has not run)")
-        say(_next_run(spec, None))
-        return
-    current, components = result_fingerprint(spec)
-    known = store.fingerprint_components(spec.name)
-    *groups, history = store.rows_by_fingerprint(spec.name)
-    say(f"job {spec.name}: {plural(sum(g['rows'] for g in groups), 'row')} stored in {store.path}")
-    rows = []
-    for g in groups:
-        fp = g["fingerprint"]
-        if fp == current:
-            what = "current"
-        elif fp is None:
-            what = "made before fingerprints (kept; --restart redoes them)"
-        else:
-            what = "changed: " + (", ".join(changed_parts(known[fp], components)) if fp in known else "unknown")
-        statuses = ", ".join(f"{k} {v}" for k, v in sorted(g["statuses"].items()))
-        rows.append((fp or "-", f"{plural(g['rows'], 'row')} ({statuses}), made {g['first_at_utc'][:16]} .. "
-                                f"{g['last_at_utc'][:16]}; {what}"))
-    if rows:
-        say(table(rows))
-    say(f"earlier results kept in results_history: {history['history_rows']:,}")
-    say(_next_run(spec, store))
-
-
-@cli.command()
-@click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--keep-versions", required=True, type=click.IntRange(min=0, max=1_000_000),
-              help="Replaced versions to keep of each row, the most recent; 0 deletes them all.")
-@click.option("--dry-run", is_flag=True, help="Count the rows that would be deleted; delete nothing.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="A job setting as `runner run --set` took it (output.database, say).")
-@reports_errors
-def prune(job, keep_versions, dry_run, overrides):
-    """Delete from JOB's database the older replaced versions of its rows (results_history).
-
-    A changed job, --retry-failed and --restart move the rows they replace to results_history, so
-    that the runs that made them still show and export them: a job restarted every night grows by
-    its size each time. Each row keeps its N most recently replaced versions. The rows of `results`
-    (what the next run keeps) are never deleted, nor the runs' records and stats; an older run's
-    export and report then hold only its rows still stored, and say how many are not. SQLite reuses
-    the freed pages; the file does not shrink.
-
-    \b
-    Example:
-      runner prune jobs/summarize.yaml --keep-versions 7    # cron, after a nightly --restart
-    """
-    from runner.errors import NotFound
-    from runner.spec import load_job
-
-    spec = load_job(job, overrides, check_engine=False)
-    try:
-        store, _ = _open_store(job, None, overrides)
-    except NotFound:
-        say(f"job {spec.name}: nothing to prune ({spec.database_path} does not exist: the job has not run)")
-        return
-    if not store.latest_runs(spec.name):  # a misspelt --set name=... deletes nothing, and says why
-        say(f"job {spec.name}: nothing to prune (no run of it in {spec.database_path})")
-        return
-    count = store.prune_history(spec.name, keep_versions, dry_run=dry_run)
-    kept = {0: "none kept", 1: "each row keeps its latest replaced version"}.get(
-        keep_versions, f"each row keeps its {keep_versions:,} latest replaced versions")
-    say(f"job {spec.name}: {plural(count, 'replaced row')} {'would be ' if dry_run else ''}deleted from "
-        f"results_history ({kept})")
-
-
-def _next_run(spec, store) -> str:
-    """What the next `runner run` of spec has to do, as one line: input rows to run (new, or stored
-    by another version of the job) and, with --retry-failed, rows stored but not ok as well. Counted
-    on disk against the input's row ids, as `run` counts them; an input that a run would refuse is
-    named, not raised: status still shows what is stored."""
-    from runner.errors import InputError, SpecError
-    from runner.fingerprint import result_fingerprint
-    from runner.readers import LocalReader
-
-    try:
-        scan = LocalReader(spec.input_path, spec.spec.input).scan(keep_ids=store is not None)
-    except (InputError, SpecError) as exc:
-        return f"next run: not counted: {exc}"
-    if store is None:
-        return f"next run: all {plural(scan.rows, 'input row')}"
-    try:
-        fingerprint, _ = result_fingerprint(spec)
-        kept, redo = store.input_counts(spec.name, scan.ids.path, fingerprint)
-        ok, _ = store.input_counts(spec.name, scan.ids.path, fingerprint, ok_only=True)
-    finally:
-        scan.ids.close()
-    todo, retry = scan.rows - kept, scan.rows - ok
-    also = f"; {retry:,} with --retry-failed" if retry != todo else ""
-    if not todo:
-        return "next run: nothing to run " + (f"(all {plural(scan.rows, 'input row')} stored){also}" if scan.rows
-                                              else "(the input has no rows)")
-    parts = [f"{todo - redo:,} new"] + ([f"{redo:,} stored by another version"] if redo else [])
-    return f"next run: {todo:,} of {plural(scan.rows, 'input row')} to run ({', '.join(parts)}){also}"
+    return {"run": run, "stats": stats, "rows_by_status": store.result_counts(r["id"]),
+            "rows_not_stored": store.rows_not_stored(r["id"])}
 
 
 @cli.command()

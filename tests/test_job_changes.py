@@ -260,7 +260,10 @@ def test_prune_keeps_the_latest_replaced_versions_of_each_row_and_never_a_curren
     assert pruned.exit_code == 0 and pruned.stdout == ""
     assert "Note: run 1 stored 2 more rows than are kept now (runner prune deletes replaced rows)" in pruned.stderr
     stats = json.loads(CliRunner().invoke(cli, ["stats", "1", "--db", str(db), "--json"]).stdout)
-    assert stats[0]["rows_by_status"] == {"ok": 2}
+    assert stats[0]["rows_by_status"] == {"ok": 2} and stats[0]["rows_not_stored"] == 2
+    assert "rows no longer stored" in invoke("stats", "1", "--db", db).output
+    kept = json.loads(CliRunner().invoke(cli, ["stats", "4", "--db", str(db), "--json"]).stdout)
+    assert kept[0]["rows_not_stored"] == 0 and "no longer" not in invoke("stats", "4", "--db", db).output
     report = CliRunner().invoke(cli, ["report", "1", "--db", str(db)])
     assert report.exit_code == 0 and "rows no longer stored" in report.stdout
     out = invoke("prune", job, "--keep-versions", "0", "--set", "name=tt")  # a misspelt job: no run of it here
