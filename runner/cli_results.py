@@ -100,7 +100,7 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
         gone = store.rows_not_stored(r["id"])
         say(stats_table(s, store.result_counts(r["id"]), [
             ("rows run again", fmt(s.get("rows_redone"))),
-            *([("rows no longer stored", f"{gone:,} (runner prune deletes replaced rows)")] if gone else []),
+            *([("rows no longer stored", f"{gone:,} (replaced, then deleted)")] if gone else []),
             ("engine", f"{r['engine_backend'] or '-'} {r['engine_version'] or ''} {r['engine_settings_json'] or ''}"),
             ("engine log", r.get("log_path") or "-"),
         ] + ([("error", r["error"])] if r["error"] else [])))
@@ -180,5 +180,4 @@ def export(run_id, job, db, overrides, fmt_, output):
     n = export_run(store, run_id, fmt_, None if to_stdout else Path(output), None if run_id is not None else job_name)
     (warn if to_stdout else say)(f"Exported {plural(n, 'row')} to {'stdout' if to_stdout else output}")
     if run_id is not None and (gone := store.rows_not_stored(run_id)):
-        warn(f"Note: run {run_id} stored {plural(gone, 'more row')} than are kept now (runner prune deletes "
-             "replaced rows)")
+        warn(f"Note: run {run_id} stored {plural(gone, 'more row')} than are kept now (replaced, then deleted)")

@@ -75,8 +75,9 @@ def prune(job, keep_versions, dry_run, overrides):
     that the runs that made them still show and export them: a job restarted every night grows by
     its size each time. Each row keeps its N most recently replaced versions. The rows of `results`
     (what the next run keeps) are never deleted, nor the runs' records and stats; an older run's
-    export and report then hold only its rows still stored, and say how many are not. SQLite reuses
-    the freed pages; the file does not shrink.
+    export and report then hold only its rows still stored, and say how many are not. It waits for
+    no run: while one of the job runs it exits 75. SQLite reuses the freed pages; the file does not
+    shrink.
 
     \b
     Example:
@@ -95,7 +96,13 @@ def prune(job, keep_versions, dry_run, overrides):
     if not store.latest_runs(spec.name):  # a misspelt --set name=... deletes nothing, and says why
         say(f"job {spec.name}: nothing to prune (no run of it in {spec.database_path})")
         return
-    count = store.prune_history(spec.name, keep_versions, dry_run=dry_run)
+    if dry_run:
+        count = store.prune_history(spec.name, keep_versions, dry_run=True)
+    else:
+        from runner.lock import JobLock
+
+        with JobLock(spec.database_path, spec.name):  # not while a run of the job moves rows into the history
+            count = store.prune_history(spec.name, keep_versions)
     kept = {0: "none kept", 1: "each row keeps its latest replaced version"}.get(
         keep_versions, f"each row keeps its {keep_versions:,} latest replaced versions")
     say(f"job {spec.name}: {plural(count, 'replaced row')} {'would be ' if dry_run else ''}deleted from "
@@ -115,6 +122,8 @@ def _next_run(spec, store) -> str:
         scan = LocalReader(spec.input_path, spec.spec.input).scan(keep_ids=store is not None)
     except (InputError, SpecError) as exc:
         return f"next run: not counted: {exc}"
+    if not scan.rows:  # an empty input is refused by the scan: every row was left out as bad
+        return f"next run: nothing to run (all {plural(len(scan.skip), 'input row')} left out: null or repeated ids)"
     if store is None:
         return f"next run: all {plural(scan.rows, 'input row')}"
     try:
@@ -126,7 +135,6 @@ def _next_run(spec, store) -> str:
     todo, retry = scan.rows - kept, scan.rows - ok
     also = f"; {retry:,} with --retry-failed" if retry != todo else ""
     if not todo:
-        return "next run: nothing to run " + (f"(all {plural(scan.rows, 'input row')} stored){also}" if scan.rows
-                                              else "(the input has no rows)")
+        return f"next run: nothing to run (all {plural(scan.rows, 'input row')} stored){also}"
     parts = [f"{todo - redo:,} new"] + ([f"{redo:,} stored by another version"] if redo else [])
     return f"next run: {todo:,} of {plural(scan.rows, 'input row')} to run ({', '.join(parts)}){also}"

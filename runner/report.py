@@ -104,8 +104,8 @@ def _summary(run: dict, stats: dict, statuses: dict[str, int], gone: int) -> str
         ("job", run["job_name"]), ("status", run["status"]), ("started (UTC)", run["started_at_utc"]),
         ("ended (UTC)", run["ended_at_utc"] or "-"),
         *stats_lines(stats, statuses),
-        *([("rows no longer stored", f"{gone:,} (runner prune deletes replaced rows): not in the charts below")]
-          if gone else []),
+        *([("rows no longer stored", f"{gone:,} (replaced, then deleted): counted in rows by status, "
+                                       "not in the other charts")] if gone else []),
         ("engine", f"{run['engine_backend'] or '-'} {run['engine_version'] or ''}"),
         *describe_settings(run["engine_backend"], settings),
     ]

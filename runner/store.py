@@ -28,6 +28,7 @@ from runner.store_sqlite import BUSY_TIMEOUT_MS, DoneFilter, Transaction, short_
 _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
                    f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
                    + ", ".join(f"{c} = excluded.{c}" for c in RESULT_COLUMNS if c not in ("job_name", "row_id")))
+_PRUNE_BATCH = 900  # rowids a DELETE names (SQLite before 3.32 allows 999 parameters)
 # A job's stored rows into results_history, with when and by which run (NULL: --restart) they were
 # replaced; _archive narrows it to the rows a batch replaces.
 _TO_HISTORY = (f"INSERT INTO results_history (id, {', '.join(RESULT_COLUMNS)}, replaced_at_utc, replaced_by_run_id) "
@@ -215,10 +216,16 @@ class Store(SpeculationRecords):
         each of the job's rows (the rows of `results` stay). Returns the rows deleted, or that would be."""
         older = ("SELECT rowid FROM (SELECT rowid, row_number() OVER (PARTITION BY row_id "
                  "ORDER BY replaced_at_utc DESC, rowid DESC) AS n FROM results_history WHERE job_name = ?) WHERE n > ?")
-        verb = "SELECT count(*) FROM" if dry_run else "DELETE FROM"
-        with self._tx() as conn:
-            done = conn.exec_driver_sql(f"{verb} results_history WHERE rowid IN ({older})", (job_name, keep_versions))
-            return done.scalar() if dry_run else done.rowcount
+        with self.engine.connect() as conn:
+            doomed = list(conn.exec_driver_sql(older, (job_name, keep_versions)).scalars())
+        # Versions are only ever added: what is older now stays older. Small transactions, so that a
+        # run writing to this file meanwhile never waits past its busy timeout.
+        for i in ([] if dry_run else range(0, len(doomed), _PRUNE_BATCH)):
+            part = doomed[i:i + _PRUNE_BATCH]
+            with self._tx() as conn:
+                conn.exec_driver_sql(f"DELETE FROM results_history WHERE rowid IN ({', '.join('?' * len(part))})",
+                                     tuple(part))
+        return len(doomed)
 
     def save_rejected(self, run_id: int, job_name: str, rows: list[tuple[int, Optional[str], str]]) -> None:
         """Input rows a run left out (input.on_bad_row: store): (row number, id, reason). The
@@ -276,8 +283,8 @@ class Store(SpeculationRecords):
         return stored
 
     def rows_not_stored(self, run_id: int) -> int:
-        """How many of the rows a run counted in its stats are kept nowhere now (`runner prune` deletes
-        replaced rows; before results_history, --restart deleted them)."""
+        """How many of the rows a run counted in its stats are kept nowhere now: replaced, then
+        deleted (`runner prune`; before results_history existed, --restart)."""
         stats = self.stats(run_id)
         return max(0, stats["rows_total"] - sum(self._stored_counts(run_id).values())) if stats else 0
 

@@ -230,6 +230,17 @@ def test_status_counts_what_the_next_run_has_to_do_as_the_run_does(make_job, tmp
     assert out.output.splitlines()[-1].startswith("next run: not counted: ") and "docs.parquet" in out.output
 
 
+def test_status_of_an_input_whose_every_row_is_left_out_says_so(make_job, tmp_path):
+    docs = tmp_path / "data" / "bad.parquet"
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": pa.array([None, None], pa.string()), "text": ["a", "b"],
+                             "system_prompt": ["S", "S"]}), docs)
+    job = make_job(docs=docs, job={"input": {"on_bad_row": "store"}})
+    out = invoke("status", job)
+    assert out.exit_code == 0
+    assert out.output.splitlines()[-1] == "next run: nothing to run (all 2 input rows left out: null or repeated ids)"
+
+
 def test_prune_keeps_the_latest_replaced_versions_of_each_row_and_never_a_current_one(make_job, tmp_path):
     job = make_job(rows=3)
     db = tmp_path / "out" / "results.sqlite"
@@ -238,8 +249,12 @@ def test_prune_keeps_the_latest_replaced_versions_of_each_row_and_never_a_curren
     assert invoke("run", "--engine", "fake", "--quiet", "--limit", "2", job).exit_code == 0  # run 1: r000, r001
     for _ in range(3):  # a job restarted every night: each run sets the last one's rows aside
         assert invoke("run", "--engine", "fake", "--quiet", "--restart", job).exit_code == 0  # runs 2-4: all 3
+    for _ in range(2):  # another job in the same database, with a history of its own
+        assert invoke("run", "--engine", "fake", "--quiet", "--restart", "--set", "name=other", job).exit_code == 0
+    others = sqlite3.connect(db).execute("SELECT * FROM results_history WHERE job_name = 'other'").fetchall()
+    assert len(others) == 3
     current = rows(db, "row_id", "run_id")
-    assert {r[1] for r in current} == {4} and count(db, "results_history") == 2 + 3 + 3
+    assert {r[1] for r in current} == {4, 6} and count(db, "results_history") == 2 + 3 + 3 + 3
     con = sqlite3.connect(db)  # the table's physical order reversed (rebuilt, or copied by some tool)
     con.executescript("CREATE TEMP TABLE h AS SELECT * FROM results_history ORDER BY rowid DESC; "
                       "DELETE FROM results_history; INSERT INTO results_history SELECT * FROM h;")
@@ -247,30 +262,38 @@ def test_prune_keeps_the_latest_replaced_versions_of_each_row_and_never_a_curren
     out = invoke("prune", job, "--keep-versions", "2", "--dry-run")
     assert out.exit_code == 0 and out.output.strip() == (
         "job t: 2 replaced rows would be deleted from results_history (each row keeps its 2 latest replaced versions)")
-    assert count(db, "results_history") == 8  # a dry run deletes nothing
+    assert count(db, "results_history") == 11  # a dry run deletes nothing
     assert invoke("prune", job, "--keep-versions", "2").exit_code == 0
     con = sqlite3.connect(db)
     # run 1's versions of r000 and r001 were each row's third: gone; r002 had only two
-    assert con.execute("SELECT run_id, count(*) FROM results_history GROUP BY run_id").fetchall() == [(2, 3), (3, 3)]
-    assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 4  # the runs' records and stats stay
+    assert con.execute("SELECT run_id, count(*) FROM results_history WHERE job_name = 't' GROUP BY run_id"
+                       ).fetchall() == [(2, 3), (3, 3)]
+    assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 6  # the runs' records and stats stay
     con.close()
     assert rows(db, "row_id", "run_id") == current
     # run 1's export and stats: its rows are gone, and they say so; its counts are still its own
     pruned = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "jsonl"])
     assert pruned.exit_code == 0 and pruned.stdout == ""
-    assert "Note: run 1 stored 2 more rows than are kept now (runner prune deletes replaced rows)" in pruned.stderr
+    assert "Note: run 1 stored 2 more rows than are kept now (replaced, then deleted)" in pruned.stderr
     stats = json.loads(CliRunner().invoke(cli, ["stats", "1", "--db", str(db), "--json"]).stdout)
     assert stats[0]["rows_by_status"] == {"ok": 2} and stats[0]["rows_not_stored"] == 2
     assert "rows no longer stored" in invoke("stats", "1", "--db", db).output
     kept = json.loads(CliRunner().invoke(cli, ["stats", "4", "--db", str(db), "--json"]).stdout)
     assert kept[0]["rows_not_stored"] == 0 and "no longer" not in invoke("stats", "4", "--db", db).output
     report = CliRunner().invoke(cli, ["report", "1", "--db", str(db)])
-    assert report.exit_code == 0 and "rows no longer stored" in report.stdout
+    assert report.exit_code == 0 and "rows no longer stored</th><td>2 (" in report.stdout
+    assert "rows by status</th><td>ok 2<" in report.stdout  # as the run counted them
     out = invoke("prune", job, "--keep-versions", "0", "--set", "name=tt")  # a misspelt job: no run of it here
-    assert out.exit_code == 0 and "nothing to prune (no run of it in" in out.output and count(db, "results_history") == 6
+    assert out.exit_code == 0 and "nothing to prune (no run of it in" in out.output and count(db, "results_history") == 9
+    from runner.lock import JobLock
+
+    with JobLock(db, "t"):  # a run of the job is under way: it may be moving rows into the history
+        out = invoke("prune", job, "--keep-versions", "0")
+    assert out.exit_code == 75 and out.output.startswith("Error: ") and count(db, "results_history") == 9
     out = invoke("prune", job, "--keep-versions", "0")
     assert "6 replaced rows deleted" in out.output and "none kept" in out.output
-    assert count(db, "results_history") == 0 and rows(db, "row_id", "run_id") == current
+    assert rows(db, "row_id", "run_id") == current
+    assert sorted(sqlite3.connect(db).execute("SELECT * FROM results_history").fetchall()) == sorted(others)
     out = invoke("prune", job, "--keep-versions", str(2 ** 63))  # a number SQLite cannot hold: refused, not a traceback
     assert out.exit_code == 2 and "--keep-versions" in out.output
 
