@@ -97,8 +97,8 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
     for r in runs:
         s = store.stats(r["id"]) or {}
         say(f"run {r['id']}  {r['job_name']}  {r['status']}  started {r['started_at_utc']}")
-        gone = store.rows_not_stored(r["id"])
-        say(stats_table(s, store.result_counts(r["id"]), [
+        counts, gone = store.result_counts(r["id"])
+        say(stats_table(s, counts, [
             ("rows run again", fmt(s.get("rows_redone"))),
             *([("rows no longer stored", f"{gone:,} (replaced, then deleted)")] if gone else []),
             ("engine", f"{r['engine_backend'] or '-'} {r['engine_version'] or ''} {r['engine_settings_json'] or ''}"),
@@ -117,8 +117,8 @@ def _run_json(store, r: dict) -> dict:
     of its rows are no longer stored."""
     run = {k: (json.loads(v) if k.endswith("_json") and v else v) for k, v in r.items()}
     stats = {k: (json.loads(v) if k.endswith("_json") and v else v) for k, v in (store.stats(r["id"]) or {}).items()}
-    return {"run": run, "stats": stats, "rows_by_status": store.result_counts(r["id"]),
-            "rows_not_stored": store.rows_not_stored(r["id"])}
+    counts, gone = store.result_counts(r["id"])
+    return {"run": run, "stats": stats, "rows_by_status": counts, "rows_not_stored": gone}
 
 
 @cli.command()
@@ -179,5 +179,5 @@ def export(run_id, job, db, overrides, fmt_, output):
     to_stdout = output == "-"
     n = export_run(store, run_id, fmt_, None if to_stdout else Path(output), None if run_id is not None else job_name)
     (warn if to_stdout else say)(f"Exported {plural(n, 'row')} to {'stdout' if to_stdout else output}")
-    if run_id is not None and (gone := store.rows_not_stored(run_id)):
+    if run_id is not None and (gone := store.result_counts(run_id)[1]):
         warn(f"Note: run {run_id} stored {plural(gone, 'more row')} than are kept now (replaced, then deleted)")

@@ -85,9 +85,9 @@ def render_report(store: Store, run_id: int) -> str:
         g["prompt"] += r["prompt_tokens"]
         g["cached"] += r["cached_prompt_tokens"]
         g["latency"].append(r["latency_ms"])
-    gone = store.rows_not_stored(run_id)
+    counted, gone = store.result_counts(run_id)
     if gone:  # rows by status as the run counted them; the other charts show the rows still stored
-        by_status = defaultdict(int, store.result_counts(run_id))
+        by_status = defaultdict(int, counted)
     body = [_summary(run, stats, by_status, gone), _throughput(store.samples(run_id)), _groups(groups, by_status),
             f'<section id="tokens"><h2>Token counts</h2><h3>Prompt tokens per row</h3>'
             f'{histogram([r["prompt_tokens"] for r in rows])}'

@@ -274,19 +274,14 @@ class Store(SpeculationRecords):
         with self.engine.connect() as conn:
             return conn.execute(q).scalar()
 
-    def result_counts(self, run_id: int) -> dict[str, int]:
+    def result_counts(self, run_id: int) -> tuple[dict[str, int], int]:
         """A run's rows by status, those a later run replaced included (as export and report show
-        them); where some are no longer stored (`runner prune`), as the run counted them."""
+        them), and how many of the rows its stats counted are kept nowhere now: replaced, then
+        deleted (`runner prune`; before results_history existed, --restart). Where some are gone,
+        the rows by status are the run's own count."""
         stored, stats = self._stored_counts(run_id), self.stats(run_id)
-        if stats and sum(stored.values()) < stats["rows_total"]:
-            return {s: stats[f"rows_{s}"] for s in STATUSES if stats[f"rows_{s}"]}
-        return stored
-
-    def rows_not_stored(self, run_id: int) -> int:
-        """How many of the rows a run counted in its stats are kept nowhere now: replaced, then
-        deleted (`runner prune`; before results_history existed, --restart)."""
-        stats = self.stats(run_id)
-        return max(0, stats["rows_total"] - sum(self._stored_counts(run_id).values())) if stats else 0
+        gone = max(0, stats["rows_total"] - sum(stored.values())) if stats else 0
+        return ({s: stats[f"rows_{s}"] for s in STATUSES if stats[f"rows_{s}"]} if gone else stored), gone
 
     def _stored_counts(self, run_id: int) -> dict[str, int]:
         out: dict[str, int] = {}

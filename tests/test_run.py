@@ -76,7 +76,7 @@ def test_restart_sets_the_stored_rows_aside_and_their_run_still_shows_them(make_
     assert redo.stats["rows_total"] == 3
     assert {r["run_id"] for r in results(job).values()} == {redo.run_id} and len(results(job)) == 3
     store = Store(job.database_path)
-    assert store.result_counts(first.run_id) == {"ok": 10}
+    assert store.result_counts(first.run_id) == ({"ok": 10}, 0)
     out = tmp_path / "first.csv"
     assert export_run(store, first.run_id, "csv", out) == 10
     *groups, history = store.rows_by_fingerprint(job.name)
