@@ -115,6 +115,8 @@ def test_real_cron_run_is_silent_and_a_changed_job_redoes_its_rows(make_job, tmp
     con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
     statuses = dict(con.execute("SELECT row_id, status FROM results").fetchall())
     assert statuses["r2"] == "failed" and sum(s != "failed" for s in statuses.values()) == 3
+    per_s, gen_s = con.execute("SELECT documents_per_s, generation_s FROM run_stats").fetchone()
+    assert per_s == pytest.approx(3 / gen_s, rel=0.01)  # the 3 rows vLLM generated: the failed one is not speed
     spec = yaml.safe_load(job.read_text())
     spec["sampling"]["max_tokens"] = 48
     job.write_text(yaml.safe_dump(spec))
