@@ -9,8 +9,10 @@
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
-# The lease that issue 11 waits for: the 8B shape with the GPU config's 20 graph sizes (below). The
-# 135M with its calibration stored was last measured at a3584f4 beside inproc
+# The 8B shape with the GPU config's 20 graph sizes was measured at 04253d4 (2 rounds of sorted and
+# runner: bench/results/2026-12-02-nvidia-h200-8b-graphs.json); plain arrival and vllmgraphs beside
+# it are still to run (the 8B plan below; ~6.5 min a round with plain, whose 8B run takes ~135 s,
+# and ~3.5 min of warm-up compiles: 2 rounds fit after staging). The 135M with its calibration stored was last measured at a3584f4 beside inproc
 # (bench/results/2026-12-02-nvidia-h200-inproc.json: a warm-up of 3 and 12 runs, ~1,330 s of device
 # time with staging). The 135M first run with the runner's own Triton cache was measured at 4854afc
 # (bench/results/2026-12-02-nvidia-h200-triton-check.json: runner_first added nothing to ~/.triton,
@@ -19,11 +21,13 @@
 #   WARMUP="invoices/tight/135m=plain,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
 #     --repeats 3 --deadline-s 900 --cases "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner"
 # Check a new configuration's outputs too (rows_valid, and errors in its results.sqlite), not only its speed.
-# The 8B shape with the GPU config's 20 graph sizes (it runs up to 127 requests at once, where the
-# lists differ), vllmgraphs and cap512 beside it (~5 min a round):
-#   WARMUP="invoices/tight/8b=plain,runner,vllmgraphs,cap512" bash bench/gpu.sh start --multi "" --repeats 3 \
-#     --deadline-s 1000 --cases "invoices/tight/8b=sorted,runner,vllmgraphs,cap512"
-# A machine left idle for 30 s is gone with everything on it (62855f5 lost its round 3 that way):
+# The 8B shape's plan: plain arrival, sorted, the runner with the GPU config's 20 graph sizes, and
+# vllmgraphs (vLLM's 51):
+#   WARMUP="invoices/tight/8b=plain,runner,vllmgraphs" bash bench/gpu.sh start --multi "" --repeats 2 \
+#     --deadline-s 700 --cases "invoices/tight/8b=plain,sorted,runner,vllmgraphs"
+# A machine left idle for 30 s is gone with everything on it (62855f5 lost its round 3 that way, and
+# 04253d4 its whole first machine, ~750 s of device time, while a watcher script was being written
+# between two polls: write any command before the poll that precedes it):
 # chain the polls with nothing between them, and copy what a later look needs (a run's
 # results.sqlite) to $OUT inside a polling call.
 # .gpu/setup.sh is git-ignored: carry it (with the part) in every staging and install call. A call

@@ -127,12 +127,15 @@ def workload_dir(a, t: Task) -> Path:
 
 
 def model_dir(a, t: Task) -> Path:
-    """The task's model folder: the 135M's, or a config-only one of the 8B shape, written once."""
+    """The task's model folder: the 135M's, or a config-only one of the 8B shape, written once
+    beside the 135M's, not in the workdir: vLLM's compile-cache key holds the model's path, so a
+    warm-up in another workdir warmed nothing for the 8B (the lease of 04253d4: every round-1 run
+    compiled again, ~24 s)."""
     if t.model == "135m":
         return Path(a.model)
     from bench.models import write_dummy_model
 
-    d = Path(a.workdir) / f"model-{t.model}"
+    d = Path(a.model).parent / f"{Path(a.model).name}-dummy-{t.model}"
     if not (d / "config.json").is_file():
         write_dummy_model(Path(a.model), d, t.model)
     return d

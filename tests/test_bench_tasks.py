@@ -250,3 +250,24 @@ def test_the_cache_diagnostic_counts_a_runs_new_files_by_their_cache_folder(tmp_
     got = caches.added(before, caches.snapshot())
     assert got == {str(old): 1, str(triton / "k0"): 1, str(triton / "k1"): 1, str(triton / "k2"): 1}
     assert caches.added(before, before) == {}
+
+
+def test_the_8b_shapes_folder_is_the_same_for_the_warm_up_and_the_measured_rounds(tmp_path, model_dir):
+    """vLLM's compile-cache key holds the model's path: a folder per workdir made every round-1 run
+    of the 8B compile again after its warm-up had compiled (the lease of 04253d4)."""
+    import json
+    from types import SimpleNamespace
+
+    from bench.tasks import Task, model_dir as task_model_dir
+
+    source = tmp_path / "smollm2"
+    source.symlink_to(model_dir)
+
+    def folder(workdir, case):
+        return task_model_dir(SimpleNamespace(model=str(source), workdir=str(tmp_path / workdir)),
+                              Task(case, "runner", 1))
+
+    warmup, measured = folder("rbw", "invoices/tight/8b"), folder("rb", "invoices/tight/8b")
+    assert warmup == measured and not warmup.is_relative_to(tmp_path / "rbw")
+    assert json.loads((warmup / "config.json").read_text())["hidden_size"] == 4096
+    assert folder("rb", "invoices/tight/135m") == source
