@@ -40,6 +40,10 @@ def _database_here(db: Path, job_name) -> None:
     from runner.store_sqlite import nearest_existing
 
     if db.is_file():
+        # An empty file (`touch`ed, or left by a tool) holds no results: reading it must not write
+        # a schema into it. (A database in WAL mode is never empty: its header is written first.)
+        if db.stat().st_size == 0:
+            raise NotFound(f"{db}: an empty file, no results database yet")
         return
     if db.exists():
         raise StoreError(f"{db}: not a database file")

@@ -333,3 +333,23 @@ def test_a_run_half_replaced_later_still_shows_and_exports_all_its_rows_in_order
     assert sorted(first) == [f"r{i:03d}" for i in range(12)] and exported() == first  # all, in the order stored
     got = json.loads(invoke("stats", "1", "--db", db, "--json").output)
     assert got[0]["rows_by_status"] == {"ok": 12}  # as export and report count them
+
+
+def test_commands_that_read_leave_an_empty_database_file_empty(make_job, tmp_path):
+    """A `touch`ed results file holds no rows: status, stats, export and prune --dry-run say so and
+    write no schema into it; a run then uses it."""
+    job = make_job(rows=3)
+    db = tmp_path / "out" / "results.sqlite"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    db.touch()
+    out = invoke("prune", job, "--keep-versions", "1", "--dry-run")
+    assert out.exit_code == 0 and "nothing to prune" in out.output
+    out = invoke("status", job)
+    assert out.exit_code == 0 and "no rows stored yet" in out.output and out.output.splitlines()[-1] == (
+        "next run: all 3 input rows")
+    for command in (["stats"], ["export", "--format", "jsonl"]):  # NotFound's exit code, as for no file
+        out = invoke(*command, "--job", job)
+        assert out.exit_code == 7 and "an empty file, no results database yet" in out.output
+    assert db.stat().st_size == 0
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    assert count(db, "results") == 3
