@@ -114,6 +114,7 @@ class ResultCollector:
     def _sample(self, now: float) -> None:
         self.last_sample = now
         self.samples.append(dict(run_id=self.run_id, elapsed_s=round(now - self.t0, 3), rows_done=self.rows_done,
+                                 rows_failed=self.counts[Status.FAILED.value],
                                  prompt_tokens=self.tokens["prompt"], completion_tokens=self.tokens["completion"],
                                  cached_prompt_tokens=self.tokens["cached"]))
 

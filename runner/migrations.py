@@ -222,9 +222,16 @@ def m010_history_by_run(conn: Connection) -> None:
     conn.exec_driver_sql("CREATE INDEX results_history_run ON results_history (run_id, status)")
 
 
+def m011_samples_failed_rows(conn: Connection) -> None:
+    # The report's documents/s over time counts the rows generated, as the run's documents_per_s
+    # does: failed rows (never generated) are stored at once and made the curve spike. Samples from
+    # before have 0.
+    conn.exec_driver_sql("ALTER TABLE run_samples ADD COLUMN rows_failed INTEGER NOT NULL DEFAULT 0")
+
+
 MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations, m005_fingerprints,
               m006_verifications_and_drafts, m007_output_token_ids, m008_rejected_rows,
-              m009_verification_discordant_rows, m010_history_by_run]
+              m009_verification_discordant_rows, m010_history_by_run, m011_samples_failed_rows]
 
 
 def utc_now() -> str:

@@ -114,14 +114,20 @@ def _summary(run: dict, stats: dict, statuses: dict[str, int], gone: int) -> str
 
 
 def _throughput(samples: list[dict]) -> str:
-    """Documents/s between consecutive samples."""
+    xs, ys = generated_rates(samples)
+    return f'<section id="throughput"><h2>Throughput over time</h2>{line_chart(xs, ys, "seconds since start", "documents/s")}</section>'
+
+
+def generated_rates(samples: list[dict]) -> tuple[list[float], list[float]]:
+    """(seconds since the start, documents generated a second since the sample before). Failed rows
+    were never generated: as in the run's documents/s, they do not count."""
     xs, ys = [], []
     for a, b in zip(samples, samples[1:]):
         dt = b["elapsed_s"] - a["elapsed_s"]
         if dt > 0:
             xs.append(b["elapsed_s"])
-            ys.append((b["rows_done"] - a["rows_done"]) / dt)
-    return f'<section id="throughput"><h2>Throughput over time</h2>{line_chart(xs, ys, "seconds since start", "documents/s")}</section>'
+            ys.append(((b["rows_done"] - b["rows_failed"]) - (a["rows_done"] - a["rows_failed"])) / dt)
+    return xs, ys
 
 
 def _groups(groups: dict[str, dict], by_status: dict[str, int]) -> str:

@@ -160,8 +160,20 @@ def test_on_bad_row_store_records_bad_rows_and_runs_the_rest(make_job, tmp_path)
     assert con.execute("SELECT input_row_number, row_id, reason FROM rejected_rows ORDER BY 1").fetchall() == [
         (2, "a", "duplicate id (the first row with it runs)"), (3, None, "null id"),
         (6, "c", "duplicate id (the first row with it runs)")]
+    # the throughput samples count the failed rows apart: the report's curve is of rows generated
+    assert con.execute("SELECT rows_done, rows_failed FROM run_samples ORDER BY elapsed_s DESC").fetchone() == (4, 2)
     again = CliRunner().invoke(cli, ["run", "--engine", "fake", "--set", "input.on_bad_row=store", str(job)])
     assert again.exit_code == 0 and "4 already done" in again.output, again.output
+
+
+def test_the_reports_throughput_counts_rows_generated_not_rows_failed():
+    """Failed rows were never generated: 10 rows stored in a second, 8 of them failed, is 2 a second
+    (as the run's documents/s counts them); samples from before the column have 0 failed."""
+    from runner.report import generated_rates
+
+    samples = [dict(elapsed_s=0.0, rows_done=0, rows_failed=0), dict(elapsed_s=1.0, rows_done=10, rows_failed=8),
+               dict(elapsed_s=1.0, rows_done=10, rows_failed=8), dict(elapsed_s=3.0, rows_done=16, rows_failed=8)]
+    assert generated_rates(samples) == ([1.0, 3.0], [2.0, 3.0])
 
 
 def test_jsonl_csv_and_openai_batch_inputs_run_like_parquet(make_job, tmp_path):
