@@ -128,11 +128,11 @@ def _next_run(spec, store) -> str:
         return f"next run: all {plural(scan.rows, 'input row')}"
     try:
         fingerprint, _ = result_fingerprint(spec)
-        kept, redo = store.input_counts(spec.name, scan.ids.path, fingerprint)
-        ok, _ = store.input_counts(spec.name, scan.ids.path, fingerprint, ok_only=True)
+        counts = store.input_counts(spec.name, scan.ids.path, fingerprint)
     finally:
         scan.ids.close()
-    todo, retry = scan.rows - kept, scan.rows - ok
+    todo, retry = scan.rows - counts.current, scan.rows - counts.ok
+    redo = counts.stored - counts.current
     also = f"; {retry:,} with --retry-failed" if retry != todo else ""
     if not todo:
         return f"next run: nothing to run (all {plural(scan.rows, 'input row')} stored){also}"

@@ -192,7 +192,9 @@ def _work(store: Store, job: Job, scan: InputScan, retry_failed: bool) -> Work:
     """Count what the run will do against what is stored, on disk (bounded memory at any size)."""
     fingerprint, components = result_fingerprint(job)
     store.register_fingerprint(job.name, fingerprint, components)
-    skipped, redone = store.input_counts(job.name, scan.ids.path, fingerprint, ok_only=retry_failed)
+    counts = store.input_counts(job.name, scan.ids.path, fingerprint)
+    skipped = counts.kept(retry_failed)
+    redone = counts.stored - skipped
     reasons: set[str] = set()
     if redone and not retry_failed:
         known = store.fingerprint_components(job.name)

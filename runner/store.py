@@ -23,7 +23,7 @@ from runner.errors import StoreError
 from runner.migrations import migrate, utc_now
 from runner.rows import RESULT_COLUMNS, STATUSES, ResultRow, StatsRow
 from runner.store_speculation import SpeculationRecords
-from runner.store_sqlite import BUSY_TIMEOUT_MS, DoneFilter, Transaction, short_error, sqlite_engine
+from runner.store_sqlite import BUSY_TIMEOUT_MS, DoneFilter, InputCounts, Transaction, short_error, sqlite_engine
 
 _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
                    f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
@@ -123,22 +123,21 @@ class Store(SpeculationRecords):
         with self.engine.connect() as conn:
             return set(conn.execute(q).scalars())
 
-    def input_counts(self, job_name: str, ids_file: Path, fingerprint: str, ok_only: bool = False) -> tuple[int, int]:
-        """(rows of the input that are done, rows of the input stored but to run again), joined on
-        disk with the input's row ids (runner/row_ids.py): no set of a million ids in memory."""
-        done = "r.status = 'ok'" if ok_only else "(r.fingerprint = ? OR r.fingerprint IS NULL)"
-        join = "SELECT count(*) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id"
+    def input_counts(self, job_name: str, ids_file: Path, fingerprint: str) -> InputCounts:
+        """How many of the input's rows are stored: in all, by this version of the job (or before
+        fingerprints), and ok (by any version). One pass, joined on disk with the input's row ids
+        (runner/row_ids.py): no set of a million ids in memory."""
+        q = ("SELECT count(*), coalesce(sum(r.fingerprint = ? OR r.fingerprint IS NULL), 0), "
+             "coalesce(sum(r.status = 'ok'), 0) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id")
         # A connection of its own: the ATTACH must not outlive this count in SQLAlchemy's pool.
         con = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000)
         try:
             con.execute("ATTACH DATABASE ? AS scan", (str(ids_file),))
-            stored = con.execute(join, (job_name,)).fetchone()[0]
-            ok = con.execute(f"{join} WHERE {done}", (job_name,) if ok_only else (job_name, fingerprint)).fetchone()[0]
+            return InputCounts(*con.execute(q, (fingerprint, job_name)).fetchone())
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: {exc}") from None
         finally:
             con.close()
-        return ok, stored - ok
 
     def done_filter(self, job_name: str, fingerprint: str, ok_only: bool = False) -> "DoneFilter":
         return DoneFilter(self.path, job_name, fingerprint, ok_only)

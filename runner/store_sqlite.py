@@ -8,7 +8,7 @@ import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.exc import SQLAlchemyError
@@ -25,6 +25,16 @@ def sqlite_engine(path: Path):
     event.listen(engine, "connect", _pragmas)
     event.listen(engine, "begin", _begin)
     return engine
+
+
+class InputCounts(NamedTuple):
+    """The input's rows stored in the results table (Store.input_counts)."""
+    stored: int  # by any version of the job
+    current: int  # by this version (or before fingerprints): a run keeps them
+    ok: int  # status ok, by any version: a run with --retry-failed keeps them
+
+    def kept(self, retry_failed: bool) -> int:
+        return self.ok if retry_failed else self.current
 
 
 class DoneFilter:
