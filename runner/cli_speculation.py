@@ -27,7 +27,7 @@ def calibrate(job, wait, verbose, engine):
     """
     from runner.engines import build_engine
     from runner.errors import SpecError
-    from runner.run import calibrate_job
+    from runner.calibration_run import calibrate_job
     from runner.spec import load_job
 
     spec = load_job(job)

@@ -6,13 +6,13 @@ is loaded and checked. Every problem becomes one SpecError naming the file and t
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from runner.engine_checks import EngineSettingSource, check_engine_settings
 from runner.engine_config import EngineConfig, EngineOverrides, Strict
 from runner.errors import InputError, ModelError, SpecError
 from runner.overrides import apply_overrides
@@ -207,61 +207,6 @@ def load_engine_config(path: Path, overrides: dict[str, Any], job_path: Path) ->
         raise SpecError(f"{job_path}: engine.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
-class _Where:
-    """`FILE: field` of where an engine setting of a job came from: the job (or --set), its engine
-    config file, or neither (vLLM's default, as the runner passes it)."""
-
-    def __init__(self, job_engine: dict[str, Any], engine: EngineConfig, cfg_path: Path, job_path: Path):
-        self.job_engine, self.engine, self.cfg_path, self.job_path = job_engine, engine, cfg_path, job_path
-
-    def file(self, field: str) -> Path:
-        """The job file where it sets the field, else the engine config file (also for a default)."""
-        return self.job_path if field in self.job_engine else self.cfg_path
-
-    def __call__(self, field: str) -> str:
-        if field in self.job_engine:
-            return f"{self.job_path}: engine.{field}"
-        if field in self.engine.model_fields_set:
-            return f"{self.cfg_path}: {field}"
-        return f"{self.cfg_path}: {field} (not set: the default)"
-
-
-def _check_engine(engine: EngineConfig, model_path: Path, spec: "JobFile", where: _Where) -> None:
-    """Settings vLLM would refuse only once imported and starting, refused while loading instead."""
-    from runner.model_length import length_refusal
-
-    why = engine.step_refusal()
-    if why:
-        same_file = where.file("max_num_seqs") == where.file("max_num_batched_tokens")
-        seqs_from = "" if same_file else f" (max_num_seqs: {where('max_num_seqs')})"
-        raise SpecError(f"{where('max_num_batched_tokens')}: {why}{seqs_from}")
-    why = length_refusal(engine, model_path, os.environ | spec.ray.env)  # ray.env: what replicas get
-    if why:
-        raise SpecError(f"{where('max_model_len')}: {why}")
-    if spec.executor == "local":  # Ray's replicas run the cluster's vLLM, which may be another version
-        _check_sampling_args(spec.sampling.extra_args, where.job_path)
-    if spec.sampling.max_tokens >= engine.max_model_len:  # every row would be stored failed, too long
-        length = where("max_model_len").removeprefix(f"{where.job_path}: ")  # its file, if not the job's
-        raise SpecError(f"{where.job_path}: sampling.max_tokens: {spec.sampling.max_tokens} leaves no room for a "
-                        f"prompt within max_model_len {engine.max_model_len} ({length})")
-
-
-def _check_sampling_args(extra_args: dict[str, Any], job_path: Path) -> None:
-    """An extra_args key the installed vLLM's SamplingParams does not have: refused now, not once
-    vLLM has imported and the run is recorded failed."""
-    import difflib
-
-    from runner.engines.vllm_settings import sampling_fields, vllm_version
-
-    fields = sampling_fields() if extra_args else None
-    unknown = sorted(set(extra_args) - fields) if fields else []
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(fields), n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise SpecError(f"{job_path}: sampling.extra_args.{unknown[0]}: not a field of vllm.SamplingParams "
-                        f"({vllm_version()}){hint}")
-
-
 def load_job(path: str | Path, overrides: Sequence[str] = (), check_engine: bool = True,
              executor: Optional[str] = None) -> Job:
     """Load and validate a job file, its engine config and its output schema. `overrides` are
@@ -304,10 +249,10 @@ def _load(shown: Path, raw: dict[str, Any], check_engine: bool = True) -> Job:
     try:
         model_path = resolve_model(engine.model, cfg_path.parent)
     except ModelError as exc:
-        where = _Where(overrides, engine, cfg_path, shown)
+        where = EngineSettingSource(overrides, engine, cfg_path, shown)
         raise ModelError(f"{where('model')}: {exc}") from None
     if check_engine:
-        _check_engine(engine, model_path, spec, _Where(overrides, engine, cfg_path, shown))
+        check_engine_settings(engine, model_path, spec, EngineSettingSource(overrides, engine, cfg_path, shown))
 
     return Job(
         path=job_path,

@@ -10,7 +10,8 @@ import yaml
 
 from runner import summary
 from runner.engines.fake import FakeEngine
-from runner.run import calibrate_job, run_job
+from runner.calibration_run import calibrate_job
+from runner.run import run_job
 from runner.spec import load_job
 from tests.conftest import SCHEMA
 
