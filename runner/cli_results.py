@@ -110,10 +110,10 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
         ] + ([("error", r["error"])] if r["error"] else [])))
 
 
-def _write_text(path: Path, text: str) -> None:
+def _write_text(path: Path, text: str, reading: Path) -> None:
     from runner.export import write_whole
 
-    write_whole(path, lambda part: part.write_text(text, encoding="utf-8"))
+    write_whole(path, lambda part: part.write_text(text, encoding="utf-8"), reading=reading)
 
 
 def _run_json(store, r: dict) -> dict:
@@ -147,7 +147,7 @@ def report(run_id, job, db, overrides, output):
     if output == "-":
         click.echo(html, nl=False)
         return
-    _write_text(Path(output), html)
+    _write_text(Path(output), html, reading=store.path)
     say(f"Report: {output}")
 
 

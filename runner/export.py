@@ -5,6 +5,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
@@ -66,7 +67,7 @@ def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path
         written[0] = _write(_tables(store.results_of(run_id, job_name), fields, schema), schema, fmt, sink)
 
     if out is not None:
-        write_whole(out, write)
+        write_whole(out, write, reading=store.path)
         return written[0]
     try:
         write(None)
@@ -159,15 +160,32 @@ def _cell(v, text: bool):
     return json.dumps(v, ensure_ascii=False)
 
 
-def write_whole(path: Path, write: Callable[[Path], None]) -> None:
+def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Path] = None) -> None:
     """A file written whole or not at all: `write` fills a file beside `path`, which is then
-    renamed over it, so a failed write (a full disk) leaves the file from before as it was. Exports
-    and reports; an OutputFileError names the path."""
-    part = path.with_name(f".{path.name}.part")
+    renamed over it, so a failed write (a full disk) leaves the file from before as it was. A
+    symbolic link keeps pointing where it did, at the new file; a path that is not a regular file
+    (a pipe, `/dev/stdout`, a device) is written into as it is. `reading` (the results database the
+    rows come from) is refused as the path. Exports and reports; an OutputFileError names the path."""
+    target = Path(os.path.realpath(path))
+    if reading is not None and _same_database(target, reading):
+        raise OutputFileError(f"{path}: is the results database being read: give another file")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None  # no file yet (or a folder missing: made below)
+    if mode is not None and stat.S_ISDIR(mode):
+        raise OutputFileError(f"{path}: is a folder")
+    if mode is not None and not stat.S_ISREG(mode):
+        try:
+            write(path)
+        except OSError as exc:
+            raise OutputFileError(f"{path}: cannot write: {exc.strerror or exc}") from None
+        return
+    part = target.with_name(f".{target.name}.part")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         write(part)
-        os.replace(part, path)
+        os.replace(part, target)
     except BaseException as exc:  # a full disk, or a failure while the rows are read (the part goes too)
         with contextlib.suppress(OSError):
             part.unlink()
@@ -176,9 +194,23 @@ def write_whole(path: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
+def _same_database(target: Path, db: Path) -> bool:
+    """Whether target is the database file or one of SQLite's files beside it."""
+    real = Path(os.path.realpath(db))
+    return target in {real, *(real.with_name(real.name + x) for x in ("-wal", "-shm", "-journal"))}
+
+
 def _write(tables: Iterable, schema, fmt: str, out: Optional[Path]) -> int:
     """Write the tables one after another to `out` (stdout when None); returns the rows written."""
-    sink = str(out) if out is not None else sys.stdout.buffer
+    if out is not None and out.exists() and not out.is_file():  # a pipe or a device: Arrow would seek in it
+        with open(out, "wb") as stream:
+            return _write_to(tables, schema, fmt, stream)
+    return _write_to(tables, schema, fmt, out if out is not None else sys.stdout.buffer)
+
+
+def _write_to(tables: Iterable, schema, fmt: str, out) -> int:
+    """_write to a file's path or to an open binary stream."""
+    sink = str(out) if isinstance(out, Path) else out
     n = 0
     if fmt == "parquet":
         import pyarrow.parquet as pq
@@ -195,7 +227,7 @@ def _write(tables: Iterable, schema, fmt: str, out: Optional[Path]) -> int:
                 w.write_table(t)
                 n += t.num_rows
     else:
-        with (open(out, "wb") if out is not None else contextlib.nullcontext(sys.stdout.buffer)) as f:
+        with (open(out, "wb") if isinstance(out, Path) else contextlib.nullcontext(out)) as f:
             for t in tables:
                 lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in t.to_pylist())
                 _write_all(f, lines.encode("utf-8"))

@@ -116,3 +116,50 @@ def test_the_format_comes_from_the_file_name_unless_given_and_never_against_it(d
         out = run(*args)
         assert out.exit_code == 2 and out.output.startswith("Error: ") and message in out.output, out.output
     assert not (tmp_path / "b.parquet").exists() and not (tmp_path / "b.txt").exists()
+
+
+def test_export_and_report_refuse_to_write_over_the_database_they_read(db, tmp_path):
+    before = db.read_bytes()
+    for args in (["export", "1", "--format", "csv"], ["report", "1"]):
+        for target in (db, db.with_name(db.name + "-wal")):
+            out = CliRunner().invoke(cli, [*args, "--db", str(db), "-o", str(target)])
+            assert out.exit_code == 6 and out.output == f"Error: {target}: is the results database being read: give another file\n"
+    link = tmp_path / "db-link.csv"
+    link.symlink_to(db)  # through a link too
+    out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "csv", "-o", str(link)])
+    assert out.exit_code == 6 and "is the results database being read" in out.output
+    assert db.read_bytes() == before
+
+
+def test_an_export_through_a_link_replaces_its_target_and_keeps_the_link(db, tmp_path):
+    (tmp_path / "shared").mkdir()
+    real = tmp_path / "shared" / "latest.csv"
+    real.write_text("old\n")
+    link = tmp_path / "latest.csv"
+    link.symlink_to(real)
+    out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "-o", str(link)])
+    assert out.exit_code == 0, out.output
+    assert link.is_symlink() and len(list(csv.DictReader(io.StringIO(real.read_text())))) == 11
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["latest.csv"]  # no part file left
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_an_export_into_a_named_pipe_reaches_its_reader(db, tmp_path, fmt):
+    """A pipe (or /dev/stdout, or a process substitution) is written into, not replaced by a file."""
+    import os
+    import stat
+    import threading
+
+    pipe = tmp_path / f"rows.{fmt}"
+    os.mkfifo(pipe)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(pipe.read_bytes()))
+    reader.start()
+    out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "-o", str(pipe)])
+    reader.join(10)
+    assert out.exit_code == 0, out.output
+    assert stat.S_ISFIFO(os.stat(pipe).st_mode)
+    if fmt == "csv":
+        assert len(list(csv.DictReader(io.StringIO(got[0].decode())))) == 11
+    else:
+        assert pq.read_table(io.BytesIO(got[0])).num_rows == 11
