@@ -24,7 +24,17 @@ def sqlite_engine(path: Path):
     engine = create_engine(f"sqlite:///{path}")
     event.listen(engine, "connect", _pragmas)
     event.listen(engine, "begin", _begin)
+    event.listen(engine, "handle_error", lambda ctx: _damaged(path, ctx.original_exception))
     return engine
+
+
+def _damaged(path: Path, exc: BaseException) -> None:
+    """A page that cannot be read, met by any query (status, export, report read what a run's
+    quick_check would have refused): the runner's StoreError, not SQLAlchemy's traceback."""
+    # sqlite3's own class for SQLITE_CORRUPT and SQLITE_NOTADB; its subclasses (locked, full disk,
+    # constraints) are not damage and keep their own handling
+    if type(exc) is sqlite3.DatabaseError:
+        raise StoreError(f"{path}: the results database is damaged ({exc}): restore it from a backup or move it away")
 
 
 class InputCounts(NamedTuple):

@@ -153,6 +153,28 @@ def test_a_damaged_database_is_refused_before_the_run(make_job, tmp_path):
     assert out.stderr.startswith("Error: ") and "damaged" in out.stderr and len(out.stderr.splitlines()) == 1
 
 
+def test_a_damaged_page_met_by_a_command_that_reads_is_one_error_line(make_job, tmp_path):
+    """status, export and report run no quick_check: a query that meets a damaged page says so, as
+    a run's check does, instead of a traceback."""
+    job = make_job(rows=30)
+    assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
+    db = tmp_path / "out" / "results.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    page_size = con.execute("PRAGMA page_size").fetchone()[0]
+    root = con.execute("SELECT rootpage FROM sqlite_master WHERE name='results'").fetchone()[0]
+    con.close()
+    with open(db, "r+b") as f:  # the results table's root page, garbage
+        f.seek((root - 1) * page_size)
+        f.write(bytes(range(256)) * (page_size // 256))
+    for args in (["status", str(job)], ["export", "--job", str(job), "--format", "csv"],
+                 ["report", "1", "--job", str(job)]):
+        out = CliRunner().invoke(cli, args)
+        assert out.exit_code == 6, (args, out.output)
+        assert out.stderr == f"Error: {db}: the results database is damaged (database disk image is malformed): " \
+                             "restore it from a backup or move it away\n", args
+
+
 @pytest.mark.parametrize("where", ["under_a_file", "proc"])
 def test_an_unwritable_database_location_is_one_error_line(make_job, tmp_path, where):
     (tmp_path / "a_file").write_text("not a folder")
