@@ -23,7 +23,8 @@ from runner.errors import StoreError
 from runner.migrations import migrate, utc_now
 from runner.rows import RESULT_COLUMNS, STATUSES, ResultRow, StatsRow
 from runner.store_speculation import SpeculationRecords
-from runner.store_sqlite import BUSY_TIMEOUT_MS, DoneFilter, InputCounts, Transaction, short_error, sqlite_engine
+from runner.store_sqlite import (BUSY_TIMEOUT_MS, DoneFilter, InputCounts, Transaction, refuse_foreign, short_error,
+                                 sqlite_engine)
 
 _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
                    f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
@@ -40,6 +41,7 @@ class Store(SpeculationRecords):
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
+        refuse_foreign(self.path)  # before the first connection, which would switch it to WAL
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.engine = sqlite_engine(self.path)

@@ -9,6 +9,7 @@ import sqlite3
 import time
 from pathlib import Path
 from typing import NamedTuple, Optional
+from urllib.parse import quote
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.exc import SQLAlchemyError
@@ -35,6 +36,31 @@ def _damaged(path: Path, exc: BaseException) -> None:
     # constraints) are not damage and keep their own handling
     if type(exc) is sqlite3.DatabaseError:
         raise StoreError(f"{path}: the results database is damaged ({exc}): restore it from a backup or move it away")
+
+
+def refuse_foreign(path: Path) -> None:
+    """StoreError for a SQLite file of another program (tables, neither `_migrations` nor `runs`),
+    read without writing to it: it is refused, not given the runner's schema and WAL mode."""
+    foreign = _foreign_tables(path)
+    if foreign:
+        raise StoreError(f"{path}: not a results database of the runner (it holds other tables: "
+                         f"{', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}): name another file")
+
+
+def _foreign_tables(path: Path) -> list[str]:
+    """[] for a runner's database, no file, an empty one, or one SQLite cannot read (opening it
+    names that)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return []
+    try:
+        con = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True)
+        try:
+            names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return []
+    return [] if names & {"_migrations", "runs"} else sorted(names)
 
 
 class InputCounts(NamedTuple):
@@ -158,7 +184,10 @@ def unwritable_reason(path: Path) -> Optional[str]:
             return "cannot be written: not a writable file"
         with open(path, "rb") as f:  # an empty file is an empty database to SQLite
             head = f.read(16)
-        return None if head in (b"", b"SQLite format 3\x00") else "the file there is not a SQLite database"
+        if head not in (b"", b"SQLite format 3\x00"):
+            return "the file there is not a SQLite database"
+        foreign = _foreign_tables(path)
+        return f"the file there is another program's SQLite database (tables: {', '.join(foreign[:5])})" if foreign else None
     folder = nearest_existing(path)
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         return f"cannot be written: {folder} is not a folder this user can write in"

@@ -251,3 +251,25 @@ def test_the_output_checker_never_fetches_a_reference(listener):
         checker.check(Completion("r", text='{"a": 1}', finish_reason="stop"), 10)
     time.sleep(0.3)
     assert seen == []
+
+
+def test_another_programs_sqlite_file_is_refused_and_left_as_it_was(make_job, tmp_path):
+    """Pointed at a SQLite file of another program, no command writes the runner's schema into it
+    nor switches it to WAL: run, status, stats and prune --dry-run refuse it, naming the file."""
+    job = make_job(rows=3)
+    db = tmp_path / "out" / "results.sqlite"
+    db.parent.mkdir()
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE invoices (x INTEGER)")
+    con.commit()
+    con.close()
+    before = db.read_bytes()
+    out = CliRunner().invoke(cli, ["validate", str(job)])  # found before the night
+    assert out.exit_code != 0 and "another program's SQLite database (tables: invoices)" in out.output
+    for args in (["run", "--engine", "fake", "--quiet", str(job)], ["status", str(job)], ["stats", "--db", str(db)],
+                 ["prune", str(job), "--keep-versions", "1", "--dry-run"]):
+        out = CliRunner().invoke(cli, args)
+        assert out.exit_code == 6, (args, out.output)
+        assert out.stderr == f"Error: {db}: not a results database of the runner (it holds other tables: invoices): " \
+                             "name another file\n"
+    assert db.read_bytes() == before and not db.with_name(db.name + "-wal").exists()
