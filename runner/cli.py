@@ -26,11 +26,11 @@ def reports_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except OutputClosed as exc:
+        except (OutputClosed, BrokenPipeError):  # `runner stats | head -1`: the reader stopped reading
             # Nothing more can go to standard output: point it at /dev/null so that the
             # interpreter's last flush does not fail too, and leave without a message.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(exc.exit_code)
+            sys.exit(OutputClosed.exit_code)
         except RunnerError as exc:
             warn(f"Error: {one_line(str(exc))}")
             sys.exit(exc.exit_code)

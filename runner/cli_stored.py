@@ -65,19 +65,20 @@ def status(job, overrides):
 @click.option("--keep-versions", required=True, type=click.IntRange(min=0, max=1_000_000),
               help="Replaced versions to keep of each row, the most recent; 0 deletes them all.")
 @click.option("--dry-run", is_flag=True, help="Count the rows that would be deleted; delete nothing.")
+@click.option("--wait", is_flag=True, help="If a run of the job is under way, wait for it instead of exiting 75.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="A job setting as `runner run --set` took it (output.database, say).")
 @reports_errors
-def prune(job, keep_versions, dry_run, overrides):
+def prune(job, keep_versions, dry_run, wait, overrides):
     """Delete from JOB's database the older replaced versions of its rows (results_history).
 
     A changed job, --retry-failed and --restart move the rows they replace to results_history, so
     that the runs that made them still show and export them: a job restarted every night grows by
     its size each time. Each row keeps its N most recently replaced versions. The rows of `results`
     (what the next run keeps) are never deleted, nor the runs' records and stats; an older run's
-    export and report then hold only its rows still stored, and say how many are not. It waits for
-    no run: while one of the job runs it exits 75. SQLite reuses the freed pages; the file does not
-    shrink.
+    export and report then hold only its rows still stored, and say how many are not. While a run
+    of the job is under way it exits 75 (--wait: waits for it). SQLite reuses the freed pages; the
+    file does not shrink.
 
     \b
     Example:
@@ -101,7 +102,7 @@ def prune(job, keep_versions, dry_run, overrides):
     else:
         from runner.lock import JobLock
 
-        with JobLock(spec.database_path, spec.name):  # not while a run of the job moves rows into the history
+        with JobLock(spec.database_path, spec.name, wait=wait):  # not while a run moves rows into the history
             count = store.prune_history(spec.name, keep_versions)
     kept = {0: "none kept", 1: "each row keeps its latest replaced version"}.get(
         keep_versions, f"each row keeps its {keep_versions:,} latest replaced versions")

@@ -160,3 +160,16 @@ def test_export_to_a_reader_that_stops_early_ends_quietly(make_job, tmp_path):
         err = proc.stderr.read().decode()
         assert proc.wait(timeout=60) == 141, (fmt, err)
         assert "Error" not in err and "Traceback" not in err, err
+
+
+def test_stats_and_status_to_a_reader_that_is_gone_exit_141_quietly(make_job):
+    """`runner stats | head -1` under `set -o pipefail`: the reader's leaving is 141, as for export,
+    not click's exit 1 for a broken pipe (which a cron wrapper reads as the runner failing)."""
+    job = make_job(rows=3)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    for args in (("stats", "--job", job), ("status", job)):
+        proc = subprocess.Popen(runner_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # gone before the first line is written
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 141, (args, err)
+        assert err == "", err

@@ -290,8 +290,15 @@ def test_prune_keeps_the_latest_replaced_versions_of_each_row_and_never_a_curren
     with JobLock(db, "t"):  # a run of the job is under way: it may be moving rows into the history
         out = invoke("prune", job, "--keep-versions", "0")
     assert out.exit_code == 75 and out.output.startswith("Error: ") and count(db, "results_history") == 9
+    assert "use --wait to wait for it" in out.output  # which prune has
+    import threading
+
+    held = JobLock(db, "t").__enter__()
+    threading.Timer(0.5, held.__exit__, (None, None, None)).start()  # the run ends half a second later
+    out = invoke("prune", job, "--keep-versions", "1", "--wait")
+    assert out.exit_code == 0 and "3 replaced rows deleted" in out.output and count(db, "results_history") == 6
     out = invoke("prune", job, "--keep-versions", "0")
-    assert "6 replaced rows deleted" in out.output and "none kept" in out.output
+    assert "3 replaced rows deleted" in out.output and "none kept" in out.output
     assert rows(db, "row_id", "run_id") == current
     assert sorted(sqlite3.connect(db).execute("SELECT * FROM results_history").fetchall()) == sorted(others)
     out = invoke("prune", job, "--keep-versions", str(2 ** 63))  # a number SQLite cannot hold: refused, not a traceback
