@@ -122,14 +122,16 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     if opts.on_input_ok is not None:
         opts.on_input_ok()
     store.mark_abandoned_runs(job.name)  # first: a killed run ended at its last stored row, set aside below
-    if opts.restart:
-        store.set_aside_results(job.name)
+    restarted = _restart(store, job, scan) if opts.restart else None
     work = _work(store, job, scan, opts.retry_failed)  # the fingerprint has the backend as configured
+    if restarted:  # the input's rows stored before: run again, as by a changed job
+        work.redone += restarted[0]
     try:
         job, work.grammar = job_with_grammar(job)  # one backend for every engine; measured while vLLM imports
         if work.redone and opts.notify is not None:
-            opts.notify(f"running {plural(work.redone, 'stored row')} again: " + ("--retry-failed" if opts.retry_failed else
-                        "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"))
+            opts.notify(f"running {plural(work.redone, 'stored row')} again: " + (restarted[1] if restarted else
+                "--retry-failed" if opts.retry_failed else
+                "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"))
         key = calibration_key(job, scan.system_prompt_keys)
         job, gated = _verify_gate(job, store, key, opts)
         if gated:
@@ -186,6 +188,15 @@ def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[J
     if opts.notify is not None:
         opts.notify(why)
     return with_speculative(job, None), why
+
+
+def _restart(store: Store, job: Job, scan: InputScan) -> tuple[int, str]:
+    """--restart sets the job's stored rows aside: (how many of them are in this run's input, a note)."""
+    stored = store.input_counts(job.name, scan.ids.path, "").stored
+    moved = store.set_aside_results(job.name)
+    rest = f"; {moved - stored:,} of them not in this run's input" + (" (--limit: later runs redo them)"
+                                                                     if job.spec.input.limit else "")
+    return stored, f"--restart set {plural(moved, 'stored row')} aside to results_history" + (rest if moved > stored else "")
 
 
 def _work(store: Store, job: Job, scan: InputScan, retry_failed: bool) -> Work:

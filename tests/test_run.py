@@ -73,7 +73,7 @@ def test_restart_sets_the_stored_rows_aside_and_their_run_still_shows_them(make_
     first = run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
     redo = run_job(load_job(path, ["input.limit=3"]), engine_factory=lambda j: FakeEngine(j.output_schema),
                    restart=True)
-    assert redo.stats["rows_total"] == 3
+    assert redo.stats["rows_total"] == 3 and redo.rows_redone == 3  # stored before: "rows run again"
     assert {r["run_id"] for r in results(job).values()} == {redo.run_id} and len(results(job)) == 3
     store = Store(job.database_path)
     assert store.result_counts(first.run_id) == ({"ok": 10}, 0)
@@ -253,3 +253,20 @@ def test_an_engine_that_fails_is_closed_not_let_go(make_job):
         run_job(job, engine_factory=lambda j: Releases(j.output_schema, released, fail_after=1), exits_after=True)
     assert released == ["close"]
     assert sqlite3.connect(job.database_path).execute("SELECT status FROM runs").fetchall() == [("failed",)]
+
+
+def test_restart_with_a_limit_says_how_many_rows_it_set_aside(make_job):
+    """--restart --limit 2 after a whole run: the note names the rows set aside beyond the two it
+    runs (a smoke run does not quietly empty the job's results)."""
+    from click.testing import CliRunner
+
+    from runner.cli import cli
+
+    job = make_job(rows=6)
+    assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
+    out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--restart", "--limit", "2", str(job)])
+    assert out.exit_code == 0, out.output
+    assert ("Note: running 2 stored rows again: --restart set 6 stored rows aside to results_history; "
+            "4 of them not in this run's input (--limit: later runs redo them)") in out.stderr
+    out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--restart", str(job)])
+    assert "Note: running 2 stored rows again: --restart set 2 stored rows aside to results_history\n" in out.stderr
