@@ -60,6 +60,10 @@ def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path
     if fmt not in FORMATS:
         raise StoreError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     fields = flat_fields(json.loads(run["config_json"]).get("output_schema", {}))
+    for older in (store.result_runs(job_name) if job_name is not None else []):  # newest first
+        # the job's rows were made by several versions of it: every version's fields get a column
+        for name, scalar in flat_fields(json.loads(older["config_json"]).get("output_schema", {})).items():
+            fields[name] = fields.get(name, scalar) and scalar  # a field that was an object anywhere: JSON text
     schema = _schema(fields, _field_kinds(store.results_of(run_id, job_name), fields))
     written = [0]
 

@@ -259,6 +259,13 @@ class Store(SpeculationRecords, HistoryRecords):
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
 
+    def result_runs(self, job_name: str) -> list[dict]:
+        """The runs that made the job's stored rows (`results`), newest first."""
+        made = select(self.results.c.run_id).where(self.results.c.job_name == job_name).distinct()
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(select(self.runs).where(self.runs.c.id.in_(made))
+                                                  .order_by(self.runs.c.id.desc())).mappings()]
+
     def results_of(self, run_id: Optional[int] = None, job_name: Optional[str] = None) -> Iterable[dict]:
         """A run's results, those a later run replaced included (from results_history), or a job's
         (its latest result for each row, whichever run made it)."""

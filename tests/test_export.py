@@ -163,3 +163,24 @@ def test_an_export_into_a_named_pipe_reaches_its_reader(db, tmp_path, fmt):
         assert len(list(csv.DictReader(io.StringIO(got[0].decode())))) == 11
     else:
         assert pq.read_table(io.BytesIO(got[0])).num_rows == 11
+
+
+def test_a_whole_job_export_has_a_column_for_every_version_of_the_schema_that_made_its_rows(make_job, tmp_path):
+    """Rows made by an older schema with a field the latest lacks keep it as a column, not only in
+    extraction_json: the columns do not depend on which version ran last."""
+    v2 = {"type": "object", "properties": {"score": {"type": "integer"}, "priority": {"type": "integer"},
+                                           "notes": {"type": "object"}},
+          "required": ["score", "priority", "notes"]}
+    (tmp_path / "v2.json").write_text(json.dumps(v2))
+    job = make_job(rows=5, schema=SCHEMA)
+    run = lambda *a: CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", *a, str(job)])  # noqa: E731
+    assert run().exit_code == 0
+    assert run("--limit", "3", "--set", f"output_schema={tmp_path / 'v2.json'}").exit_code == 0
+    assert run("--limit", "2").exit_code == 0  # the latest run: the first schema again
+    target = tmp_path / "all.csv"
+    out = CliRunner().invoke(cli, ["export", "--job", str(job), "-o", str(target)])
+    assert out.exit_code == 0, out.output
+    rows = {r["row_id"]: r for r in csv.DictReader(io.StringIO(target.read_text()))}
+    assert {"extraction_score", "extraction_priority", "extraction_notes_json", "extraction_tags_json"} <= set(rows["r000"])
+    assert rows["r002"]["extraction_priority"] == "1" and rows["r002"]["extraction_notes_json"] == "{}"
+    assert rows["r000"]["extraction_priority"] == "" and rows["r004"]["extraction_tags_json"] != ""
