@@ -33,6 +33,19 @@ def _open_store(job, db, overrides=()):
     return Store(db), job_name
 
 
+def _run_of(store, run_id: int, job_name) -> dict:
+    """Run run_id's record; NotFound where there is none, or where --job named another job (jobs
+    may share a database)."""
+    from runner.errors import NotFound
+
+    run = store.run(run_id)
+    if run is None:
+        raise NotFound(f"{store.path}: no run {run_id}")
+    if job_name is not None and run["job_name"] != job_name:
+        raise NotFound(f"{store.path}: run {run_id} is of job {run['job_name']}, not of {job_name}")
+    return run
+
+
 def _database_here(db: Path, job_name) -> None:
     """NotFound where nothing is at `db` yet (the job has not run); StoreError where something else
     is in the way (a folder, a path through a file), which a run would fail on too."""
@@ -82,14 +95,15 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
       runner stats 3 --db out/summarize.sqlite
       runner stats --job jobs/summarize.yaml --json | jq '.[0].stats.documents_per_s'
     """
-    from runner.errors import NotFound
+    from runner.errors import NotFound, SpecError
 
+    if run_id is not None and last != 1:
+        raise SpecError("give RUN_ID or --last N, not both")
     try:
         store, job_name = _open_store(job, db, overrides)
-        runs = [store.run(run_id)] if run_id is not None else store.latest_runs(job_name, last, with_idle)
-        if not runs or runs[0] is None:
-            raise NotFound(f"{store.path}: no run {run_id}" if run_id is not None else
-                           f"{store.path}: no runs yet" + ("" if with_idle else " that ran rows (--with-idle: all)"))
+        runs = [_run_of(store, run_id, job_name)] if run_id is not None else store.latest_runs(job_name, last, with_idle)
+        if not runs:
+            raise NotFound(f"{store.path}: no runs yet" + ("" if with_idle else " that ran rows (--with-idle: all)"))
     except NotFound:
         if as_json and run_id is None:  # for monitoring: a job that has not run has no runs, not an error
             click.echo("[]")
@@ -142,7 +156,8 @@ def report(run_id, job, db, overrides, output):
     """
     from runner.report import render_report
 
-    store, _ = _open_store(job, db, overrides)
+    store, job_name = _open_store(job, db, overrides)
+    _run_of(store, run_id, job_name)
     html = render_report(store, run_id)
     if output == "-":
         click.echo(html, nl=False)
@@ -180,6 +195,8 @@ def export(run_id, job, db, overrides, fmt_, output):
     store, job_name = _open_store(job, db, overrides)
     if run_id is None and job_name is None:
         raise SpecError("give RUN_ID, or --job JOB to export the whole job")
+    if run_id is not None:
+        _run_of(store, run_id, job_name)
     to_stdout = output == "-"
     n = export_run(store, run_id, fmt_, None if to_stdout else Path(output), None if run_id is not None else job_name)
     (warn if to_stdout else say)(f"Exported {plural(n, 'row')} to {'stdout' if to_stdout else output}")

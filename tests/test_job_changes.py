@@ -360,3 +360,18 @@ def test_commands_that_read_leave_an_empty_database_file_empty(make_job, tmp_pat
     assert db.stat().st_size == 0
     assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
     assert count(db, "results") == 3
+
+
+def test_a_run_of_another_job_in_a_shared_database_is_not_shown_as_this_jobs(make_job):
+    """Two jobs in one database: `stats 2 --job A` where run 2 is B's says so (exit 7) instead of
+    showing B's run; export and report likewise. A run id with --last is refused, not ignored."""
+    job = make_job(rows=3)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0  # run 1: t
+    assert invoke("run", "--engine", "fake", "--quiet", "--set", "name=other", job).exit_code == 0  # run 2: other
+    for args in (["stats", "2"], ["export", "2", "--format", "csv"], ["report", "2"]):
+        out = invoke(*args, "--job", job)
+        assert out.exit_code == 7 and out.output.startswith("Error: ") and "run 2 is of job other, not of t" in out.output
+    assert invoke("stats", "1", "--job", job).exit_code == 0
+    assert invoke("stats", "2", "--job", job, "--set", "name=other").exit_code == 0
+    out = invoke("stats", "1", "--last", "3", "--job", job)
+    assert out.exit_code == 2 and "give RUN_ID or --last N, not both" in out.output
