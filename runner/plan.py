@@ -138,6 +138,8 @@ class PlanSummary:
     tokens_exact: bool  # False when counted without the model's tokenizer (chars / 4)
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     rows_without_prompt: int = 0  # rows whose user template fails on their values
+    prompt_room: Optional[int] = None  # max_model_len - max_tokens: the longest prompt a row may have
+    rows_too_long: int = 0  # rows whose prompt is longer (on_too_long: fail stores them failed)
 
     @property
     def rows(self) -> int:
@@ -182,11 +184,14 @@ class CharEstimate:
 
 
 def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder | CharEstimate],
-                   block_tokens: int = DEFAULT_BLOCK_TOKENS, batch: int = 512) -> PlanSummary:
+                   block_tokens: int = DEFAULT_BLOCK_TOKENS, batch: int = 512,
+                   prompt_room: Optional[int] = None) -> PlanSummary:
     """Count rows and prompt tokens per group over the whole input (one group record per prompt):
-    with the model's tokenizer, or estimated (a CharEstimate, or None for one of the text alone)."""
+    with the model's tokenizer, or estimated (a CharEstimate, or None for one of the text alone);
+    with prompt_room, the rows whose prompt is longer."""
     builder = CharEstimate() if builder is None else builder
-    summary = PlanSummary([], tokens_exact=not isinstance(builder, CharEstimate), block_tokens=block_tokens)
+    summary = PlanSummary([], tokens_exact=not isinstance(builder, CharEstimate), block_tokens=block_tokens,
+                          prompt_room=prompt_room)
     groups: dict[str, GroupSummary] = {}
     bound = PrefixCacheBound(block_tokens)
     pending: list[Document] = []
@@ -224,6 +229,7 @@ def _count(docs: list[Document], builder: PromptBuilder | CharEstimate, groups: 
         for ids in builder.prompt_ids_batch(system, texts):
             g.rows += 1
             g.prompt_tokens += len(ids)
+            summary.rows_too_long += summary.prompt_room is not None and len(ids) > summary.prompt_room
             g.cacheable_tokens += bound.add(ids, head=(key, builder.head_tokens(system)))
 
 
@@ -242,3 +248,4 @@ def _estimate(rows: list[Document], system: Optional[str], g: GroupSummary, est:
             g.cacheable_tokens += min(shared, servable_tokens(n, block_tokens))
         g.rows += 1
         g.prompt_tokens += n
+        summary.rows_too_long += summary.prompt_room is not None and n > summary.prompt_room

@@ -142,3 +142,19 @@ def test_python_dash_m_knows_every_command():
     out = subprocess.run([sys.executable, "-m", "runner.cli", "--help"], capture_output=True, text=True, timeout=60)
     for command in ("run", "validate", "plan", "calibrate", "verify", "distill", "status", "prune", "stats", "report", "export"):
         assert f"  {command} " in out.stdout, command
+
+
+def test_plan_counts_the_rows_a_run_would_store_failed_as_too_long(invoke, make_job, tmp_path):
+    job = make_job(rows=12)
+    out = invoke("plan", job)
+    assert out.exit_code == 0 and "too long" not in out.output and "with a prompt over" not in out.output
+    # 40 tokens of room: the rows whose prompt is longer are the rows a run stores failed
+    tight = ("--set", "sampling.max_tokens=984")
+    out = invoke("plan", *tight, job)
+    assert out.exit_code == 0, out.output
+    line = next(l for l in out.output.splitlines() if "with a prompt over 40 tokens" in l)
+    planned = int(line.split()[0])
+    assert invoke("run", "--engine", "fake", "--quiet", *tight, job).exit_code in (0, 65)
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    failed = con.execute("SELECT count(*) FROM results WHERE status = 'failed' AND error LIKE 'prompt is %'").fetchone()[0]
+    assert 0 < planned == failed and "input.on_too_long: fail: a run stores them as failed" in line

@@ -1,0 +1,108 @@
+"""Commands that check a job without running it: validate (the job, its files, input, model and
+database place) and plan (groups, token counts, the prefix-cache bound, rows too long)."""
+from __future__ import annotations
+
+import click
+
+from runner.cli import cli, job_settings, reports_errors
+from runner.cli_output import say, table
+
+
+@cli.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@job_settings
+@reports_errors
+def validate(job, overrides):
+    """Check JOB without running it: the YAML, engine config, schema, input and model folder.
+
+    \b
+    Example:
+      runner validate jobs/summarize.yaml
+    """
+    from runner.errors import ModelError, StoreError
+    from runner.models import is_model_dir, missing_model
+    from runner.readers import LocalReader
+    from runner.spec import load_job
+    from runner.store_sqlite import unwritable_reason
+
+    spec = load_job(job, overrides)
+    reader = LocalReader(spec.input_path, spec.spec.input)
+    scan = reader.scan()
+    _check_prompt(spec, reader, scan)  # the tokenizer: needed here whatever the executor
+    ready = is_model_dir(spec.model_path, weights=spec.engine.needs_weights)
+    if not ready and spec.spec.executor == "local":  # `runner run` would stop there: so does this
+        raise ModelError(missing_model(spec.model_path))
+    if (why := unwritable_reason(spec.database_path)) is not None:
+        raise StoreError(f"{spec.database_path}: output.database: {why}")
+    say(f"OK: {job}")
+    say(table([
+        ("input", f"{scan.rows:,} rows in {len(scan.files)} file(s)"
+                  + (f"; {len(scan.skip):,} left out (null or repeated ids)" if scan.skip else "")),
+        ("schema", str(spec.schema_path)),
+        ("engine config", str(spec.engine_config_path)),
+        ("model", f"{spec.model_path} [{'ready' if ready else 'weights not here: the Ray replicas load them'}]"),
+        ("database", str(spec.database_path)),
+    ]))
+
+
+def _check_prompt(spec, reader, scan) -> None:
+    """Build the first row's prompt: a missing tokenizer, or a chat template that does not compile
+    or render, stops `validate` here, not a night's run."""
+    from runner.prompting import builder_for
+
+    builder = builder_for(spec)
+    doc = next(iter(reader.documents(spec.system_source, scan.skip)), None)
+    if doc is None or doc.problem:
+        return
+    try:
+        user = builder.user_text(doc)
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError):
+        return  # a row that does not fit the user template is stored failed, not a job error
+    builder.prompt_ids(doc.system_prompt, user)
+
+
+@cli.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@job_settings
+@reports_errors
+def plan(job, overrides):
+    """Show how JOB's rows group by system prompt, and the prefix-cache bound.
+
+    The share of prompt tokens that are a shared prefix, counted in whole KV blocks as vLLM
+    caches them, bounds the prefix-cache hit rate a run can reach.
+
+    \b
+    Example:
+      runner plan jobs/summarize.yaml
+    """
+    from runner.errors import ModelError
+    from runner.plan import CharEstimate, summarize_plan
+    from runner.summary import plural
+    from runner.prompting import builder_for
+    from runner.readers import LocalReader
+    from runner.spec import load_job
+
+    spec = load_job(job, overrides)
+    reader = LocalReader(spec.input_path, spec.spec.input)
+    scan = reader.scan()
+    try:
+        builder = builder_for(spec)
+    except ModelError:  # not prepared yet: estimated from the characters
+        builder = CharEstimate(spec.spec.prompts.user_template, [e.model_dump() for e in spec.spec.prompts.examples])
+    p = summarize_plan(reader.documents(spec.system_source, scan.skip), builder, spec.block_tokens,
+                       prompt_room=spec.engine.max_model_len - spec.spec.sampling.max_tokens)
+    say(f"{'group':<12}  {'rows':>7}  {'prompt tok':>11}  {'system tok':>10}  {'cacheable':>9}  system prompt")
+    for g in p.groups:
+        share = g.cacheable_tokens / g.prompt_tokens if g.prompt_tokens else 0
+        say(f"{g.key:<12}  {g.rows:>7,}  {g.prompt_tokens:>11,}  {g.prefix_tokens:>10,}  {share:>9.1%}  {g.preview}")
+    exact = "" if p.tokens_exact else " (estimated: model not prepared)"
+    say(f"{len(p.groups)} groups, {p.rows:,} rows, {p.prompt_tokens:,} prompt tokens{exact}")
+    if p.rows_without_prompt:
+        say(f"{p.rows_without_prompt:,} rows whose values do not fit prompts.user_template (a run stores them as failed)")
+    if p.rows_too_long:
+        what = "cuts their documents to fit" if spec.spec.input.on_too_long == "truncate" else "stores them as failed"
+        say(f"{'' if p.tokens_exact else '~'}{plural(p.rows_too_long, 'row')} with a prompt over "
+            f"{p.prompt_room:,} tokens: with max_tokens {spec.spec.sampling.max_tokens:,} longer than max_model_len "
+            f"{spec.engine.max_model_len:,} (input.on_too_long: {spec.spec.input.on_too_long}: a run {what})")
+    say(f"shared-prefix share of prompt tokens (prefix-cache bound, {p.block_tokens}-token blocks): "
+        f"{'' if p.tokens_exact else '~'}{100 * p.prefix_share:.1f}%{exact}")
