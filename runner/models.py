@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from runner.errors import ModelError
 
@@ -47,10 +48,19 @@ def is_model_dir(path: Path, weights: bool = True) -> bool:
     return (path / "config.json").is_file() and (not weights or any(path.glob("*.safetensors")))
 
 
-def missing_model(path: Path) -> str:
-    """What `run` and `validate` say of a folder vLLM could not load."""
-    return (f"{path}: model folder not found or incomplete: no config.json or no *.safetensors weights (for the "
-            "builtin model run: runner prepare-model; a config-only folder needs load_format: dummy)")
+def missing_model(path: Path, lacking: Optional[str] = None) -> str:
+    """What the runner says of a model folder it or vLLM cannot load: what it lacks (`lacking`, or
+    found here), and the way out that fits (`runner prepare-model` only for the builtin model)."""
+    if path.parent == builtin_model_dir().parent:
+        return f"{path}: the builtin model is not prepared yet: run `runner prepare-model` once"
+    if not path.is_dir():
+        return f"{path}: model folder not found or incomplete: no such folder (engine.model)"
+    if lacking:
+        return f"{path}: model folder not found or incomplete: {lacking}"
+    if not (path / "config.json").is_file():
+        return f"{path}: model folder not found or incomplete: no config.json"
+    return (f"{path}: model folder not found or incomplete: no *.safetensors weights (random weights for a "
+            "benchmark from config.json alone: load_format: dummy)")
 
 
 def model_fingerprint(path: Path) -> str:

@@ -41,11 +41,10 @@ class PromptBuilder:
         self.user_template = user_template
         self.examples = [dict(e) for e in examples]  # user/assistant turns after the system prompt
         tok_file = self.model_dir / "tokenizer.json"
-        if not self.model_dir.is_dir():
-            raise ModelError(f"{self.model_dir}: model folder not found (engine.model; for the builtin model run: "
-                             "runner prepare-model)")
         if not tok_file.is_file():
-            raise ModelError(f"{self.model_dir}: no tokenizer.json (is the model prepared? run: runner prepare-model)")
+            from runner.models import missing_model
+
+            raise ModelError(missing_model(self.model_dir, "no tokenizer.json"))
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(tok_file))

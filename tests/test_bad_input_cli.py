@@ -83,7 +83,7 @@ CASES = [
      "job.yaml: sampling.stop: Value error, an empty string would stop every output"),
     ("max_tokens past the model length", edit_job(lambda s, p: s["sampling"].update(max_tokens=100_000)), 2,
      "job.yaml: sampling.max_tokens: 100000 leaves no room for a prompt within max_model_len"),
-    ("missing model path", edit_job(lambda s, p: s["engine"].update(model=str(p / "nope"))), 4, "nope: model folder not found (engine.model"),
+    ("missing model path", edit_job(lambda s, p: s["engine"].update(model=str(p / "nope"))), 4, "nope: model folder not found or incomplete: no such folder (engine.model)"),
 ]
 
 
@@ -124,7 +124,7 @@ def test_validate_refuses_a_model_folder_without_weights_for_a_local_engine(make
     edit_job(lambda s, p: s["engine"].update(model=str(no_weights)))(tmp_path, job)
     result = CliRunner().invoke(cli, ["validate", str(job)])
     assert result.exit_code == 4 and result.output.startswith("Error: ") and len(result.output.splitlines()) == 1
-    assert "no-weights: model folder not found or incomplete" in result.output
+    assert "no-weights: model folder not found or incomplete: no *.safetensors weights" in result.output
     # with Ray the replicas load the weights where they run: here only the tokenizer must be
     ray = CliRunner().invoke(cli, ["validate", "--set", "executor=ray", str(job)])
     assert ray.exit_code == 0, ray.output

@@ -100,7 +100,16 @@ def test_missing_model_is_an_error(invoke, make_job, tmp_path):
     job = make_job(engine={"model": str(tmp_path / "no-model")})
     result = CliRunner().invoke(cli, ["run", str(job)])
     assert result.exit_code == 4
-    assert result.output.startswith("Error: ") and "no-model" in result.output
+    assert result.output == f"Error: {tmp_path / 'no-model'}: model folder not found or incomplete: no such folder (engine.model)\n"
+    (tmp_path / "no-model").mkdir()
+    result = CliRunner().invoke(cli, ["validate", str(job)])
+    assert result.exit_code == 4 and result.output.endswith("no-model: model folder not found or incomplete: no tokenizer.json\n")
+    assert "prepare-model" not in result.output  # only the builtin model's folder is prepared by the runner
+    builtin = make_job(engine={"model": "builtin:smollm2-135m-instruct"})
+    result = CliRunner().invoke(cli, ["validate", str(builtin)], env={"RUNNER_CACHE": str(tmp_path / "cache")})
+    assert result.exit_code == 4 and result.output == (
+        f"Error: {tmp_path / 'cache' / 'models' / 'smollm2-135m-instruct'}: the builtin model is not prepared yet: "
+        "run `runner prepare-model` once\n")
 
 
 def test_stats_without_database(invoke, tmp_path):
