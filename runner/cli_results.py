@@ -114,7 +114,9 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
         return
     for r in runs:
         s = store.stats(r["id"]) or {}
-        say(f"run {r['id']}  {r['job_name']}  {r['status']}  started {r['started_at_utc']}")
+        status = r["status"] + (f" (its process {r['pid']} is gone: killed; the next run marks it interrupted)"
+                                if _process_gone(r) else "")
+        say(f"run {r['id']}  {r['job_name']}  {status}  started {r['started_at_utc']}")
         counts, gone = store.result_counts(r["id"])
         say(stats_table(s, counts, [
             ("rows run again", fmt(s.get("rows_redone"))),
@@ -136,7 +138,25 @@ def _run_json(store, r: dict) -> dict:
     run = {k: (json.loads(v) if k.endswith("_json") and v else v) for k, v in r.items()}
     stats = {k: (json.loads(v) if k.endswith("_json") and v else v) for k, v in (store.stats(r["id"]) or {}).items()}
     counts, gone = store.result_counts(r["id"])
-    return {"run": run, "stats": stats, "rows_by_status": counts, "rows_not_stored": gone}
+    return {"run": run, "stats": stats, "rows_by_status": counts, "rows_not_stored": gone,
+            "process_gone": _process_gone(r)}
+
+
+def _process_gone(r: dict):
+    """For a run still marked running: whether its process has ended without finishing it (killed;
+    the next run of the job marks it interrupted). None for a run that ended, or ran on another host."""
+    import os
+    import socket
+
+    if r["status"] != "running" or not r.get("pid") or r.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(r["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 @cli.command()

@@ -375,3 +375,32 @@ def test_a_run_of_another_job_in_a_shared_database_is_not_shown_as_this_jobs(mak
     assert invoke("stats", "2", "--job", job, "--set", "name=other").exit_code == 0
     out = invoke("stats", "1", "--last", "3", "--job", job)
     assert out.exit_code == 2 and "give RUN_ID or --last N, not both" in out.output
+
+
+def test_stats_tells_a_run_whose_process_was_killed_from_one_under_way(make_job, tmp_path):
+    """A run killed outright stays `running` in the database until the next run marks it; stats
+    (and --json's process_gone, for monitoring) say its process is gone."""
+    import os
+    import socket
+    import subprocess
+
+    job = make_job(rows=3)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    db = tmp_path / "out" / "results.sqlite"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for pid, gone in ((dead.pid, True), (os.getpid(), False)):
+        con = sqlite3.connect(db)
+        con.execute("UPDATE runs SET status = 'running', pid = ?, host = ?", (pid, socket.gethostname()))
+        con.commit()
+        con.close()
+        shown = json.loads(CliRunner().invoke(cli, ["stats", "--job", str(job), "--json"]).stdout)
+        assert shown[0]["process_gone"] is gone and shown[0]["run"]["status"] == "running"
+        line = invoke("stats", "--job", job).output.splitlines()[0]
+        assert (f"running (its process {pid} is gone: killed; the next run marks it interrupted)" in line) is gone
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    con = sqlite3.connect(db)
+    con.execute("UPDATE runs SET status = 'completed'")
+    con.commit()
+    shown = json.loads(CliRunner().invoke(cli, ["stats", "--job", str(job), "--json", "--with-idle"]).stdout)
+    assert shown[0]["process_gone"] is None
