@@ -135,19 +135,26 @@ def test_kill_9_while_the_database_is_being_created_then_rerun(make_job, tmp_pat
         con.close()
 
 
-def test_a_damaged_database_is_refused_before_the_run(make_job, tmp_path):
+def damage_page(make_job, tmp_path, root_sql: str, content: bytes) -> tuple:
+    """A job run once, then the page named by root_sql (its rootpage) overwritten: (job, db)."""
     job = make_job(rows=30)
     assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
     db = tmp_path / "out" / "results.sqlite"
     con = sqlite3.connect(db)
     con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     page_size = con.execute("PRAGMA page_size").fetchone()[0]
-    root = con.execute("SELECT rootpage FROM sqlite_master WHERE type='index' AND tbl_name='results' "
-                       "AND sql IS NULL").fetchone()[0]  # the UNIQUE (job_name, row_id) index
+    root = con.execute(root_sql).fetchone()[0]
     con.close()
-    with open(db, "r+b") as f:  # the index's root page, zeroed: what a torn write leaves
+    with open(db, "r+b") as f:
         f.seek((root - 1) * page_size)
-        f.write(b"\0" * page_size)
+        f.write((content * page_size)[:page_size])
+    return job, db
+
+
+def test_a_damaged_database_is_refused_before_the_run(make_job, tmp_path):
+    # the UNIQUE (job_name, row_id) index's root page, zeroed: what a torn write leaves
+    job, _ = damage_page(make_job, tmp_path, "SELECT rootpage FROM sqlite_master WHERE type='index' AND "
+                                             "tbl_name='results' AND sql IS NULL", b"\0")
     out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)])
     assert out.exit_code == 6
     assert out.stderr.startswith("Error: ") and "damaged" in out.stderr and len(out.stderr.splitlines()) == 1
@@ -156,17 +163,8 @@ def test_a_damaged_database_is_refused_before_the_run(make_job, tmp_path):
 def test_a_damaged_page_met_by_a_command_that_reads_is_one_error_line(make_job, tmp_path):
     """status, export and report run no quick_check: a query that meets a damaged page says so, as
     a run's check does, instead of a traceback."""
-    job = make_job(rows=30)
-    assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
-    db = tmp_path / "out" / "results.sqlite"
-    con = sqlite3.connect(db)
-    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    page_size = con.execute("PRAGMA page_size").fetchone()[0]
-    root = con.execute("SELECT rootpage FROM sqlite_master WHERE name='results'").fetchone()[0]
-    con.close()
-    with open(db, "r+b") as f:  # the results table's root page, garbage
-        f.seek((root - 1) * page_size)
-        f.write(bytes(range(256)) * (page_size // 256))
+    # the results table's root page, garbage
+    job, db = damage_page(make_job, tmp_path, "SELECT rootpage FROM sqlite_master WHERE name='results'", bytes(range(256)))
     for args in (["status", str(job)], ["export", "--job", str(job), "--format", "csv"],
                  ["report", "1", "--job", str(job)]):
         out = CliRunner().invoke(cli, args)
