@@ -138,14 +138,16 @@ class LocalReader(Reader):
 
     def _csv_format(self):
         """CSV as documents need it: quoted text may span lines, the job's text columns stay text
-        (an id 007 is not the number 7), and an empty cell of them is null (so on_bad_row sees it)."""
+        (an id 007 is not the number 7), and an empty cell of them is null (so on_bad_row sees it);
+        only an empty one: `NA`, `null` or `N/A` is text (Namibia's code, a word), not pyarrow's null."""
         import pyarrow as pa
         import pyarrow.csv as pcsv
         import pyarrow.dataset as ds
 
         text = {c: pa.string() for c, _ in self.spec.columns()}
         return ds.CsvFileFormat(parse_options=pcsv.ParseOptions(newlines_in_values=True),
-                                convert_options=pcsv.ConvertOptions(column_types=text, strings_can_be_null=True))
+                                convert_options=pcsv.ConvertOptions(column_types=text, strings_can_be_null=True,
+                                                                    null_values=[""]))
 
     def _fragments(self) -> Iterator[tuple[str, dict]]:
         """(file, hive partition values) for each file, in path order: folders named `key=value`

@@ -29,6 +29,12 @@ def test_csv_keeps_ids_as_written_text_across_lines_and_empty_cells_as_missing(m
     assert out.exit_code == 0, out.output
     rows = dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status FROM results"))
     assert rows == {"007": "ok", "8": "ok", "9": "failed"}
+    # only an empty cell is missing: NA (Namibia), null and N/A are what the spreadsheet says
+    (tmp_path / "na.csv").write_text("id,text,system_prompt\nNA,null,S\nUS,N/A,S\n")
+    out = invoke("run", "--engine", "fake", "--quiet", "--set", "input.path=na.csv", "--set", "output.database=na.sqlite", job)
+    assert out.exit_code == 0, out.output
+    assert dict(sqlite3.connect(tmp_path / "na.sqlite").execute("SELECT row_id, status FROM results")) == {
+        "NA": "ok", "US": "ok"}
 
 
 def test_openai_batch_files_as_clients_write_them(make_job, tmp_path):
