@@ -11,6 +11,13 @@ from runner.errors import SpecError
 
 def load_schema(path: Path, where: str) -> dict[str, Any]:
     """Load a JSON Schema file and check that it is a valid schema."""
+    try:
+        return _load_schema(path, where)
+    except RecursionError:  # the JSON decoder, jsonschema and the checks below all recurse
+        raise SpecError(f"{path}: nested too deeply to be checked (or to be a grammar vLLM compiles)") from None
+
+
+def _load_schema(path: Path, where: str) -> dict[str, Any]:
     import jsonschema
 
     try:
@@ -56,14 +63,19 @@ def remote_refs(schema: Any, where: str = "#"):
 
 
 def dangling_refs(schema: Any):
-    """(location, reference) of every JSON-pointer reference (`#/...`) that finds nothing in the
-    document. Only where the document names no nested `$id` (pointers are then all from its root);
-    anchors (`#name`) are left to the schema's own check."""
+    """(location, reference) of every reference within the document (`#/...` pointers, `#name`
+    anchors) that finds nothing in it. Only where the document names no nested `$id` (references
+    are then all from its root)."""
     from urllib.parse import unquote
 
     if isinstance(schema, dict) and any(True for _ in _ids({k: v for k, v in schema.items() if k != "$id"})):
         return
+    anchors = set(_anchors(schema))
     for loc, ref in _refs(schema, "#"):
+        if ref.startswith("#") and not ref.startswith("#/") and ref != "#":
+            if ref[1:] not in anchors:
+                yield loc, ref
+            continue
         if not (ref == "#" or ref.startswith("#/")):
             continue
         node = schema
@@ -106,3 +118,17 @@ def _ids(node: Any):
     elif isinstance(node, list):
         for value in node:
             yield from _ids(value)
+
+
+def _anchors(node: Any):
+    """The names `$anchor` and `$dynamicAnchor` give in the document (data values left out)."""
+    if isinstance(node, dict):
+        for key in ("$anchor", "$dynamicAnchor"):
+            if isinstance(node.get(key), str):
+                yield node[key]
+        for key, value in node.items():
+            if key not in _DATA_KEYS:
+                yield from _anchors(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _anchors(value)

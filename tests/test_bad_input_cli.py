@@ -79,6 +79,15 @@ CASES = [
     ("schema ref to nothing", write_text("schemas/out.json", json.dumps(
         {"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}, "required": ["a"]})), 2,
      "out.json: #/properties/a/$ref: $ref '#/$defs/nope' points to nothing in the file"),
+    ("schema anchor to nothing", write_text("schemas/out.json", json.dumps(
+        {"type": "object", "properties": {"a": {"$ref": "#nope"}, "b": {"$anchor": "here", "type": "string"},
+                                          "c": {"$ref": "#here"}}, "required": ["a"]})), 2,
+     "out.json: #/properties/a/$ref: $ref '#nope' points to nothing in the file"),
+    ("schema nested too deeply", write_text("schemas/out.json", '{"type": "object", "properties": {"a": ' * 300
+                                            + '{"type": "string"}' + "}}" * 300), 2,
+     "out.json: nested too deeply to be checked"),
+    ("schema JSON nested too deeply", write_text("schemas/out.json", "[" * 5000 + "]" * 5000), 2,
+     "out.json: nested too deeply to be checked"),
     ("empty stop string", edit_job(lambda s, p: s["sampling"].update(stop=[""])), 2,
      "job.yaml: sampling.stop: Value error, an empty string would stop every output"),
     ("max_tokens past the model length", edit_job(lambda s, p: s["sampling"].update(max_tokens=100_000)), 2,
