@@ -55,16 +55,18 @@ def template_fields(template: str, field: str = "prompts.user_template") -> set[
     """The placeholder names of a str.format template: plain fields with an optional format spec.
     Indexing and attribute access (`{title[0]}`, `{title.upper}`) would fail on real rows only."""
     try:
-        parsed = [(name, spec) for _, name, spec, _ in string.Formatter().parse(template) if name is not None]
+        parsed = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
     except ValueError as exc:
         raise SpecError(f"{field}: {exc}") from None
-    for name, spec in parsed:
+    for name, spec, conv in parsed:
+        if conv not in (None, "r", "s", "a"):  # str.format would refuse it on every row
+            raise SpecError(f"{field}: {{{name}!{conv}}}: unknown conversion !{conv} (use !r, !s or !a)")
         if not name or not name.isidentifier():
             raise SpecError(f"{field}: {{{name}}}: use a column name, as {{text}} or {{title:>20}}; "
                             f"indexing, attribute access and positional fields are not allowed")
         if "{" in (spec or ""):
             raise SpecError(f"{field}: {{{name}:{spec}}}: nested fields in a format spec are not allowed")
-    return {name for name, _ in parsed}
+    return {name for name, _, _ in parsed}
 
 
 def load_prompts(p: PromptSpec, base: Path, shown: Path, system_prompt_column: Optional[str],
@@ -79,7 +81,10 @@ def load_prompts(p: PromptSpec, base: Path, shown: Path, system_prompt_column: O
     if p.system_file:
         system = _read(base, p.system_file, shown, "prompts.system_file")
     allowed = {"text", *extra_columns}
-    unknown = template_fields(p.user_template, f"{shown}: prompts.user_template") - allowed
+    fields = template_fields(p.user_template, f"{shown}: prompts.user_template")
+    if not fields:  # the same words for every row: the documents would never reach the model
+        raise SpecError(f"{shown}: prompts.user_template: uses no field; the document is {{text}}")
+    unknown = fields - allowed
     if unknown:
         raise SpecError(f"{shown}: prompts.user_template: unknown field {{{sorted(unknown)[0]}}}; "
                         f"use text or one of input.extra_columns")

@@ -76,6 +76,10 @@ CASES = [
      "prompts.user_template: {title[999]}: use a column name"),
     ("template attribute", edit_job(lambda s, p: s.update(prompts={"user_template": "{text.upper}"})), 2,
      "prompts.user_template: {text.upper}"),
+    ("template conversion", edit_job(lambda s, p: s.update(prompts={"user_template": "{text!x}"})), 2,
+     "prompts.user_template: {text!x}: unknown conversion !x (use !r, !s or !a)"),
+    ("template without a field", edit_job(lambda s, p: s.update(prompts={"user_template": "Summarize."})), 2,
+     "prompts.user_template: uses no field; the document is {text}"),
     ("schema ref to nothing", write_text("schemas/out.json", json.dumps(
         {"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}, "required": ["a"]})), 2,
      "out.json: #/properties/a/$ref: $ref '#/$defs/nope' points to nothing in the file"),
