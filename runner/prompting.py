@@ -62,6 +62,10 @@ class PromptBuilder:
         return templates.compile_template(
             templates.template_source(self.model_dir, self._tok_cfg, self._template_override))
 
+    def compile_template(self) -> None:
+        """Compile the chat template now (TemplateError), not at the first row."""
+        self._template
+
     def user_text(self, doc: Document) -> str:
         return render_user(self.user_template, doc)
 
@@ -183,5 +187,7 @@ _PROBE = ' \t"q\' \\ <a&b> é\n{x} '
 def builder_for(job) -> PromptBuilder:
     """The PromptBuilder of a loaded job: its model, user template, few-shot turns and chat template."""
     p = job.spec.prompts
-    return PromptBuilder(job.model_path, p.user_template, examples=[e.model_dump() for e in p.examples],
-                         chat_template=job.chat_template, chat_template_kwargs=p.chat_template_kwargs)
+    builder = PromptBuilder(job.model_path, p.user_template, examples=[e.model_dump() for e in p.examples],
+                            chat_template=job.chat_template, chat_template_kwargs=p.chat_template_kwargs)
+    builder.compile_template()  # a template that cannot compile is the job's error, not every row's
+    return builder

@@ -68,8 +68,11 @@ def test_a_row_the_system_template_cannot_fill_fails_alone(make_job, tmp_path):
 
 def test_validate_renders_a_prompt_so_a_broken_chat_template_is_found_before_the_night(make_job, tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }{% endfor %}")
-    result = invoke("validate", "--set", "prompts.chat_template=broken.jinja", make_job())
-    assert result.exit_code == 2 and result.output.startswith("Error: chat template: TemplateSyntaxError")
+    job = make_job()
+    for command in (["validate"], ["run", "--engine", "fake"]):  # cron may run `run` alone: it stops too
+        result = invoke(*command, "--set", "prompts.chat_template=broken.jinja", job)
+        assert result.exit_code == 2 and result.output.startswith("Error: chat template: TemplateSyntaxError")
+    assert not (tmp_path / "out" / "results.sqlite").exists()  # no run recorded, no row stored failed
     result = invoke("validate", "--set", "prompts.chat_template_kwargs.add_generation_prompt=false", make_job())
     assert result.exit_code == 2 and "prompts.chat_template_kwargs.add_generation_prompt: set by the runner" in result.output
 
