@@ -1,8 +1,8 @@
 """OpenAI batch files (what vLLM's run_batch reads) as input: one request per line,
 `{"custom_id": ..., "body": {"messages": [...]}}`.
 
-Each line becomes a row with the columns `custom_id`, `system` (the system message; empty when
-there is none) and `user` (the last user message): a job names them as input.id_column, system_prompt_column and
+Each line becomes a row with the columns `custom_id`, `system` (the system message, or else the
+`developer` one; empty when there is none) and `user` (the last user message): a job names them as input.id_column, system_prompt_column and
 text_column. The body's other fields (model, max_tokens, response_format) are not used: the job's
 sampling and output schema apply to every row.
 """
@@ -27,8 +27,10 @@ def row(line: str, file: str, number: int) -> dict:
         custom_id = request["custom_id"]
         if not isinstance(custom_id, (str, int)) or isinstance(custom_id, bool):
             raise TypeError(f"custom_id must be text or an integer, not {type(custom_id).__name__}")
-        # No system message: an empty system prompt (the rows group together, with none).
-        return {"custom_id": str(custom_id), "system": by_role.get("system", ""), "user": by_role.get("user")}
+        # OpenAI's newer clients send the instructions as a "developer" message. No system message
+        # at all: an empty system prompt (the rows group together, with none).
+        system = by_role.get("system", by_role.get("developer", ""))
+        return {"custom_id": str(custom_id), "system": system, "user": by_role.get("user")}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InputError(f"{file}: line {number}: not an OpenAI batch request with custom_id and body.messages "
                          f"({exc.__class__.__name__}: {exc})") from None
@@ -51,7 +53,7 @@ def batches(file: str, batch_rows: int) -> Iterator:
     with open(file, "rb") as fh:
         for number, raw in enumerate(fh, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM, as editors on Windows write
             except UnicodeDecodeError:
                 raise InputError(f"{file}: line {number}: not UTF-8 text") from None
             if not line.strip():

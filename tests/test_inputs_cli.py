@@ -49,6 +49,13 @@ def test_openai_batch_files_as_clients_write_them(make_job, tmp_path):
     assert out.exit_code == 0, out.output
     assert dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status FROM results")) == {
         "5": "ok", "b": "ok"}
+    # a BOM before the first line; OpenAI's newer "developer" role holds the instructions
+    dev = {"custom_id": "d", "body": {"messages": [{"role": "developer", "content": "D"}, {"role": "user", "content": "u"}]}}
+    (tmp_path / "dev.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(dev).encode() + b"\n")
+    from runner.openai_batch import batches
+
+    assert [b.to_pylist() for b in batches(str(tmp_path / "dev.jsonl"), 10)] == [
+        [{"custom_id": "d", "system": "D", "user": "u"}]]
     (tmp_path / "batch.jsonl").write_bytes(b'{"custom_id": "x", "body": {"messages": []}}\n{"custom_id": "\xff"}\n')
     bad = invoke("validate", *args, job)
     assert bad.exit_code == 3 and "batch.jsonl: line 2: not UTF-8 text" in bad.output and bad.output.count("\n") == 1
