@@ -1,13 +1,30 @@
 """The engine part of a job: vLLM settings, speculative decoding and its calibration."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from types import UnionType
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, create_model, field_validator
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_truth_value_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML reads yes, no, on and off as true and false, which pydantic would take as 1 and 0
+        (`limit: yes` ran one row): a number field refuses them."""
+        if isinstance(value, bool) and _numbers_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError("expected a number, not true or false (YAML reads yes, no, on and off as those)")
+        return value
+
+
+def _numbers_only(annotation: Any) -> bool:
+    """Whether a field's type admits numbers (int, float, optionally None) and nothing else."""
+    args = set(get_args(annotation)) if get_origin(annotation) in (Union, UnionType) else {annotation}
+    args.discard(type(None))
+    return bool(args) and args <= {int, float}
 
 
 class SpeculativeSpec(BaseModel):
@@ -157,7 +174,7 @@ class EngineConfig(Strict):
 # Every EngineConfig field, optional: what a job may override.
 EngineOverrides = create_model(
     "EngineOverrides",
-    __config__=ConfigDict(extra="forbid"),
+    __base__=Strict,
     config=(str, ...),
     **{name: (Optional[f.annotation], None) for name, f in EngineConfig.model_fields.items()},
 )

@@ -41,5 +41,9 @@ def _value(text: str) -> Any:
 
 
 def _is_flow_mapping(text: str) -> bool:
-    """`{a: 1}` is a mapping; `{title}: {text}` (a template) is text that YAML happens to parse."""
-    return text.startswith("{") and text.endswith("}") and text.count("{") == 1
+    """`{a: 1}` is a mapping; `{title}: {text}` and `{text}` (templates) are text that YAML happens
+    to parse (the second as {"text": null}: a key without a value, which no setting is)."""
+    if not (text.startswith("{") and text.endswith("}") and text.count("{") == 1):
+        return False
+    value = yaml.safe_load(text)
+    return not (value and all(v is None for v in value.values()) and ":" not in text)

@@ -147,8 +147,10 @@ class PromptBuilder:
             ids = self.prompt_ids(system, self.user_text(cut))
             over = len(ids) + max_tokens - max_model_len
         if over > 0:
+            how = ("the prompt's other parts (system prompt, few-shot turns, template) do not fit even with "
+                   "the document cut" if truncate else "set input.on_too_long: truncate to cut the document")
             return ids, (f"prompt is {len(ids)} tokens; with max_tokens={max_tokens} it exceeds "
-                         f"max_model_len={max_model_len} (set input.on_too_long: truncate to cut the document)")
+                         f"max_model_len={max_model_len} ({how})")
         return ids, None
 
     def eos_token_id(self) -> Optional[int]:

@@ -130,6 +130,10 @@ def test_set_overrides_the_job_and_the_engine_config_for_one_command(make_job, t
     assert result.exit_code == 2 and "--set max_num_seqs: expected KEY=VALUE" in result.output
     result = invoke("validate", "--set", "name.first=x", job)
     assert result.exit_code == 2 and "name is not a section" in result.output
+    for key in ("input.limit", "engine.max_num_seqs", "sampling.temperature"):  # YAML's yes is true, not 1
+        result = invoke("validate", "--set", f"{key}=yes", job)
+        assert result.exit_code == 2 and "expected a number, not true or false" in result.output, key
+    assert invoke("validate", "--set", "engine.enforce_eager=yes", job).exit_code == 0  # a yes/no setting takes it
     assert invoke("run", "--engine", "fake", "--quiet", "--set", "engine.max_num_seqs=3",
                   "--set", "sampling.max_tokens=40", job).exit_code == 0
     config = json.loads(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute(
@@ -170,3 +174,14 @@ def test_machine_readable_stats_and_whole_job_export_to_stdout(make_job, tmp_pat
     assert out.exit_code == 2 and "give RUN_ID, or --job JOB" in out.output
     html = CliRunner().invoke(cli, ["report", "2", "--job", str(job)])
     assert html.exit_code == 0 and html.stdout.lstrip().lower().startswith("<!doctype html")
+
+
+def test_a_template_given_with_set_stays_text_and_a_mapping_stays_a_mapping():
+    """`--set prompts.user_template={text}` is a template (YAML would read a mapping with a key and
+    no value, which no setting is); `{a: 1}` is a mapping."""
+    from runner.overrides import apply_overrides
+
+    got = apply_overrides({}, ["prompts.user_template={text}", "prompts.system_template={source} ",
+                               "engine.extra_args={seed: 3}", "input.extra_columns=[title]"])
+    assert got == {"prompts": {"user_template": "{text}", "system_template": "{source} "},
+                   "engine": {"extra_args": {"seed": 3}}, "input": {"extra_columns": ["title"]}}

@@ -163,6 +163,12 @@ def test_too_long_document_fails_or_is_truncated(make_job, tmp_path):
     long_req = [r for r in seen2.seen if r.row_id == "r001"][0]
     assert len(long_req.prompt_token_ids) + 64 <= 1024
     assert results(job2)["r001"]["status"] == "ok"
+    # a system prompt that does not fit even with the document cut: said so, not "set truncate"
+    job3 = load_job(make_job(docs=docs, job={"name": "t3", "input": {"on_too_long": "truncate"},
+                                            "sampling": {"temperature": 0, "max_tokens": 1000}}))
+    run_job(job3, engine_factory=lambda j: FakeEngine(SCHEMA))
+    error = results(job3)["r000"]["error"]
+    assert "do not fit even with the document cut" in error and "set input.on_too_long" not in error
 
 
 def test_rejected_request_becomes_a_failed_row(make_job):
