@@ -109,7 +109,7 @@ class PromptBuilder:
             # what one encode does (a Metaspace tokenizer adds a word mark at a part's start),
             # whatever the text starts with.
             verbatim = rendered.count(_SENTINEL) == 1
-            for probe in (_PROBE, "w" + _PROBE, "\n" + _PROBE) if verbatim else ():
+            for probe in (_PROBE, "w" + _PROBE, "\n" + _PROBE, _PROBE * 64) if verbatim else ():
                 whole = self.render(system, probe)
                 if whole != before + probe + after or \
                         head_ids + self.encode(rendered[split:cut] + probe + after) != self.encode(whole):
@@ -182,7 +182,8 @@ class PromptBuilder:
 
 
 _SENTINEL = "\uE000user-text\uE001"  # private-use characters: never in a template
-# What escaping or trimming templates change: quotes, backslash, newline, markup, non-ASCII, edges.
+# What escaping or trimming templates change: quotes, backslash, newline, markup, non-ASCII, edges;
+# 64 of it (~1,300 characters): a template that cuts the user's text (`m.content[:500]`).
 _PROBE = ' \t"q\' \\ <a&b> é\n{x} '
 
 

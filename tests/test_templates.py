@@ -181,3 +181,13 @@ def test_prompt_ids_match_transformers_on_a_metaspace_tokenizer(tmp_path):
         expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
         assert b.prompt_ids("You are careful.", user) == list(expected), user
         assert b.prompt_ids_batch("You are careful.", [user])[0] == list(expected)
+
+
+def test_a_template_that_cuts_the_users_text_is_rendered_whole_not_spliced(tiny_model_dir, tmp_path):
+    """The document is spliced into a template's render only where the template places it verbatim;
+    one that cuts it (`m.content[:300]`) is rendered for every prompt, as transformers would."""
+    folder = folder_with(STRFTIME_TOJSON, tiny_model_dir, tmp_path, "cut")
+    cut = "{% for m in messages %}{{ m['role'] }}:{{ m['content'][:300] }};{% endfor %}"
+    b = PromptBuilder(folder, chat_template=cut)
+    long = "word " * 200
+    assert b.prompt_ids("S", long) == b.encode(b.render("S", long)) == b.encode("system:S;user:" + long[:300] + ";")
