@@ -128,6 +128,8 @@ class LocalReader(Reader):
             data = ds.dataset(file, format="json" if fmt == "jsonl" else self._csv_format())
             self._check_columns(file, set(data.schema.names) | set(partition))
             present = [c for c in columns if c not in partition]
+            if fmt == "jsonl":
+                data = _json_columns(file, data.schema, present)
             yield from data.to_batches(columns=present, batch_size=self.spec.batch_rows)
         except PermissionError:
             raise InputError(f"{file}: cannot read input (permission denied)") from None
@@ -181,6 +183,21 @@ class LocalReader(Reader):
         for col, field in self.spec.columns():
             if col not in names:
                 raise InputError(f"{file}: column {col!r} ({field}) not found; columns are {sorted(names)}")
+
+
+def _json_columns(file: str, inferred, columns: list[str]):
+    """The JSON Lines file as a dataset of the job's columns only, each of the type pyarrow inferred
+    from the file's first block, but text where that block held only nulls: a title null on the
+    first 10,000 lines and text after was refused ("changed from null to string"), and a field the
+    job does not read can no longer stop the run by changing type."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+    import pyarrow.json as pj
+
+    schema = pa.schema([pa.field(c, pa.string() if pa.types.is_null(inferred.field(c).type) else inferred.field(c).type)
+                        for c in columns])
+    options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    return ds.dataset(file, format=ds.JsonFileFormat(parse_options=options), schema=schema)
 
 
 def _bad_json_line(file: str) -> Optional[str]:

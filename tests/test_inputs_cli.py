@@ -156,6 +156,19 @@ def test_a_broken_json_lines_file_is_named_by_its_line(make_job, tmp_path):
     assert out.exit_code == 3 and "docs.jsonl: line 2501: not valid JSON" in out.output, out.output
 
 
+def test_json_lines_whose_column_is_null_for_a_first_block_and_text_later_run(make_job, tmp_path):
+    """pyarrow infers a JSON file's types from its first block: a title null on the first 20,000
+    lines, or a field the job does not read changing type, must not stop the run."""
+    lines = [{"id": f"r{i}", "text": "t", "system_prompt": "s", "title": None, "other": i} for i in range(20_000)]
+    lines[-1].update(title="T", other="text now")
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    job = make_job(job={"input": {"path": "docs.jsonl", "extra_columns": ["title"]}})
+    out = invoke("run", "--engine", "fake", "--quiet", job)
+    assert out.exit_code == 0, out.output
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT count(*), sum(status = 'ok') FROM results").fetchone() == (20_000, 20_000)
+
+
 def test_bad_input_leaves_no_log_and_no_folder_behind(make_job, tmp_path):
     job = make_job()
     out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--set", "input.text_column=nope", str(job)])
