@@ -139,17 +139,9 @@ class LocalReader(Reader):
             raise InputError(f"{file}: {where}") from None
 
     def _csv_format(self):
-        """CSV as documents need it: quoted text may span lines, the job's text columns stay text
-        (an id 007 is not the number 7), and an empty cell of them is null (so on_bad_row sees it);
-        only an empty one: `NA`, `null` or `N/A` is text (Namibia's code, a word), not pyarrow's null."""
-        import pyarrow as pa
-        import pyarrow.csv as pcsv
         import pyarrow.dataset as ds
 
-        text = {c: pa.string() for c, _ in self.spec.columns()}
-        return ds.CsvFileFormat(parse_options=pcsv.ParseOptions(newlines_in_values=True),
-                                convert_options=pcsv.ConvertOptions(column_types=text, strings_can_be_null=True,
-                                                                    null_values=[""]))
+        return ds.CsvFileFormat(**csv_options(self.spec))
 
     def _fragments(self) -> Iterator[tuple[str, dict]]:
         """(file, hive partition values) for each file, in path order: folders named `key=value`
@@ -183,6 +175,19 @@ class LocalReader(Reader):
         for col, field in self.spec.columns():
             if col not in names:
                 raise InputError(f"{file}: column {col!r} ({field}) not found; columns are {sorted(names)}")
+
+
+def csv_options(spec: InputSpec) -> dict:
+    """CSV as documents need it, for pyarrow and Ray Data alike: quoted text may span lines, the
+    job's text columns stay text (an id 007 is not the number 7), and an empty cell of them is null
+    (so on_bad_row sees it); only an empty one: `NA`, `null` or `N/A` is text (Namibia's code, a
+    word), not pyarrow's null."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    text = {c: pa.string() for c, _ in spec.columns()}
+    return dict(parse_options=pcsv.ParseOptions(newlines_in_values=True),
+                convert_options=pcsv.ConvertOptions(column_types=text, strings_can_be_null=True, null_values=[""]))
 
 
 def _json_columns(file: str, inferred, columns: list[str]):
@@ -249,7 +254,7 @@ class RayDataReader(Reader):
         elif formats == {"jsonl"}:
             ds = self.ray.data.read_json(files).select_columns(columns)
         elif formats == {"csv"}:
-            ds = self.ray.data.read_csv(files).select_columns(columns)
+            ds = self.ray.data.read_csv(files, **csv_options(self.spec)).select_columns(columns)
         else:
             raise InputError(f"{self.input_path}: the ray executor reads one of Parquet, JSON Lines or CSV at a time "
                              f"(found {', '.join(sorted(formats))}); run OpenAI batch files with executor: local")

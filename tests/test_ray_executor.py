@@ -9,6 +9,7 @@ import shutil
 import signal
 import sqlite3
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -148,3 +149,37 @@ def test_ray_executor_results_equal_the_local_executor(make_job, tmp_path):
     # Resume works the same: a rerun finds every row done.
     rc, out, err = run_bounded(["run", "--executor", "ray", ray_job])
     assert rc == 0 and "0 run, 6 already done" in out, err[-2000:]
+
+
+READ_BOTH = """
+import json, sys
+from runner.readers import LocalReader, RayDataReader
+from runner.spec import load_job
+job = load_job(sys.argv[1], executor="ray")
+rows = lambda reader: [r for _, b in reader.batches() for r in b.to_pylist()]
+print(json.dumps([rows(LocalReader(job.input_path, job.spec.input)),
+                  rows(RayDataReader(job.input_path, job.spec.input, job))]))
+"""
+
+
+def test_ray_data_reads_a_csv_as_the_local_reader_does(make_job, tmp_path):
+    """`executor: ray` read CSV with Ray's defaults: the id 007 became 7 and NA a null id, so the
+    same input stored other ids than a local run (and resumed neither's rows)."""
+    (tmp_path / "docs.csv").write_text('id,text,system_prompt\n007,"first\nsecond",S\nNA,null,S\n9,,S\n')
+    job = make_job(job={"input": {"path": "docs.csv"}, "ray": {"replicas": 1, "cpus_per_replica": 1}})
+    short = tempfile.mkdtemp(dir="/tmp")  # Ray's socket paths must fit 107 bytes
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", TMPDIR=short)
+    proc = subprocess.Popen([sys.executable, "-c", READ_BOTH, str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("reading with Ray did not finish in 300 s")
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    assert proc.returncode == 0, err[-2000:]
+    local, ray = json.loads(out.strip().splitlines()[-1])
+    assert local == [{"id": "007", "text": "first\nsecond", "system_prompt": "S"},
+                     {"id": "NA", "text": "null", "system_prompt": "S"}, {"id": "9", "text": None, "system_prompt": "S"}]
+    assert ray == local
