@@ -35,15 +35,15 @@ def _value(text: str) -> Any:
     except yaml.YAMLError:
         return text
     stripped = text.strip()
-    if isinstance(value, list) and not stripped.startswith("[") or isinstance(value, dict) and not _is_flow_mapping(stripped):
+    if isinstance(value, list) and not stripped.startswith("[") or \
+            isinstance(value, dict) and not _is_flow_mapping(stripped, value):
         return text
     return value
 
 
-def _is_flow_mapping(text: str) -> bool:
+def _is_flow_mapping(text: str, value: dict) -> bool:
     """`{a: 1}` is a mapping; `{title}: {text}` and `{text}` (templates) are text that YAML happens
     to parse (the second as {"text": null}: a key without a value, which no setting is)."""
     if not (text.startswith("{") and text.endswith("}") and text.count("{") == 1):
         return False
-    value = yaml.safe_load(text)
     return not (value and all(v is None for v in value.values()) and ":" not in text)

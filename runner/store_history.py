@@ -6,7 +6,6 @@ from runner.migrations import utc_now
 from runner.rows import RESULT_COLUMNS, ResultRow
 from runner.store_sqlite import DoneFilter
 
-_PRUNE_BATCH = 900  # rowids a DELETE names (SQLite before 3.32 allows 999 parameters)
 # A job's stored rows into results_history, with when and by which run (NULL: --restart) they were
 # replaced; _archive narrows it to the rows a batch replaces.
 _TO_HISTORY = (f"INSERT INTO results_history (id, {', '.join(RESULT_COLUMNS)}, replaced_at_utc, replaced_by_run_id) "
@@ -44,8 +43,8 @@ class HistoryRecords:
             doomed = list(conn.exec_driver_sql(older, (job_name, keep_versions)).scalars())
         # Versions are only ever added: what is older now stays older. Small transactions, so that a
         # run writing to this file meanwhile never waits past its busy timeout.
-        for i in ([] if dry_run else range(0, len(doomed), _PRUNE_BATCH)):
-            part = doomed[i:i + _PRUNE_BATCH]
+        for i in ([] if dry_run else range(0, len(doomed), DoneFilter.BATCH)):
+            part = doomed[i:i + DoneFilter.BATCH]
             with self._tx() as conn:
                 conn.exec_driver_sql(f"DELETE FROM results_history WHERE rowid IN ({', '.join('?' * len(part))})",
                                      tuple(part))
