@@ -34,8 +34,8 @@ def status(job, overrides):
     spec = load_job(job, overrides, check_engine=False)  # results only: no engine starts
     try:
         store, _ = _open_store(job, None, overrides)
-    except NotFound:
-        say(f"job {spec.name}: no rows stored yet ({spec.database_path} does not exist: the job has not run)")
+    except NotFound as exc:  # no file yet, or an empty one
+        say(f"job {spec.name}: no rows stored yet ({exc})")
         say(_next_run(spec, None))
         return
     current, components = result_fingerprint(spec)
@@ -91,8 +91,8 @@ def prune(job, keep_versions, dry_run, wait, overrides):
     spec = load_job(job, overrides, check_engine=False)
     try:
         store, _ = _open_store(job, None, overrides)
-    except NotFound:
-        say(f"job {spec.name}: nothing to prune ({spec.database_path} does not exist: the job has not run)")
+    except NotFound as exc:
+        say(f"job {spec.name}: nothing to prune ({exc})")
         return
     if not store.latest_runs(spec.name):  # a misspelt --set name=... deletes nothing, and says why
         say(f"job {spec.name}: nothing to prune (no run of it in {spec.database_path})")

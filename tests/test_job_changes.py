@@ -350,10 +350,10 @@ def test_commands_that_read_leave_an_empty_database_file_empty(make_job, tmp_pat
     db.parent.mkdir(parents=True, exist_ok=True)
     db.touch()
     out = invoke("prune", job, "--keep-versions", "1", "--dry-run")
-    assert out.exit_code == 0 and "nothing to prune" in out.output
+    assert out.exit_code == 0 and f"nothing to prune ({db}: an empty file, no results database yet)" in out.output
     out = invoke("status", job)
-    assert out.exit_code == 0 and "no rows stored yet" in out.output and out.output.splitlines()[-1] == (
-        "next run: all 3 input rows")
+    assert out.exit_code == 0 and f"no rows stored yet ({db}: an empty file" in out.output
+    assert out.output.splitlines()[-1] == "next run: all 3 input rows"
     for command in (["stats"], ["export", "--format", "jsonl"]):  # NotFound's exit code, as for no file
         out = invoke(*command, "--job", job)
         assert out.exit_code == 7 and "an empty file, no results database yet" in out.output
