@@ -69,7 +69,9 @@ def plan(job, overrides):
     """Show how JOB's rows group by system prompt, and the prefix-cache bound.
 
     The share of prompt tokens that are a shared prefix, counted in whole KV blocks as vLLM
-    caches them, bounds the prefix-cache hit rate a run can reach.
+    caches them, bounds the prefix-cache hit rate a run can reach. Rows whose prompt, with
+    sampling.max_tokens, is longer than max_model_len are counted too (a run stores them failed,
+    or cuts them with input.on_too_long: truncate).
 
     \b
     Example:
