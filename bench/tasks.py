@@ -92,7 +92,8 @@ def check_case(case: str) -> None:
 
 def make_tasks(a) -> list[Task]:
     """Round by round: every single-GPU case, then the multi-GPU ones, so that a deadline cuts the
-    last rounds rather than a whole comparison."""
+    last rounds rather than a whole comparison. Each round starts a case one configuration later
+    than the round before, so that no configuration always runs right after the same one."""
     for case, configs, _ in parse_cases(a.cases) + parse_cases(a.multi):
         check_case(case)  # a misspelt case or configuration stops here, before any GPU time is spent
         for c in (c for c in configs if c not in ("plain", "sorted")):
@@ -106,7 +107,8 @@ def make_tasks(a) -> list[Task]:
     for r in range(1, max(a.repeats, a.multi_repeats) + 1):
         for case, configs, cap in parse_cases(a.cases):
             if r <= min(cap or a.repeats, a.repeats):
-                tasks += [Task(case, c, r) for c in configs]
+                turn = (r - 1) % len(configs)
+                tasks += [Task(case, c, r) for c in configs[turn:] + configs[:turn]]
         for case, configs, cap in parse_cases(a.multi):
             if r <= min(cap or a.multi_repeats, a.multi_repeats):
                 tasks += [Task(case, c, r, gpus=2 if c.startswith("ray2") else 1) for c in configs]

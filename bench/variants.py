@@ -56,6 +56,10 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "nowave": ({"admission_waves": False}, {}),
         "feedback": ({"kv_usage_feedback": True}, {}),
         "xgrammar": ({"structured_output_backend": "xgrammar"}, {}),
+        # Token masks as vLLM ships them: filled one by one up to 128 requests a step, copied into
+        # fresh pinned memory every step (runner/engines/grammar_masks.py); nopin: threads only.
+        "vllmmasks": ({"grammar_threads_from": None, "grammar_mask_pinned": False}, {}),
+        "nopin": ({"grammar_mask_pinned": False}, {}),
         "guidance": ({"structured_output_backend": "guidance"}, {}),
         # CUDA graphs at 20 batch sizes (the GPU config's since the lease of 76f8e42), or at vLLM's
         # own 51 up to 512 (capture took 4-8 s of every engine start on the H200).

@@ -107,6 +107,12 @@ class EngineConfig(Strict):
         default="measure", description=(
             "vLLM's guided-decoding backend; `measure`: xgrammar or guidance, whichever fills the job's "
             "token masks faster on this CPU (runner/engines/grammar_choice.py), cached per schema"))
+    grammar_threads_from: Optional[int] = Field(default=16, ge=1, description=(
+        "fill a step's token masks on threads once it has more guided requests than this (vLLM "
+        "fills them one by one up to 128); null: vLLM's own threshold (runner/engines/grammar_masks.py)"))
+    grammar_mask_pinned: bool = Field(default=True, description=(
+        "fill token masks straight into pinned memory (CUDA), not into a buffer vLLM copies into "
+        "fresh pinned memory every step"))
     kv_admission: bool = Field(default=True, description="admit requests only while the KV cache can hold them")
     kv_projection: bool = Field(default=True, description=(
         "admit past the sum of peak KV needs while a projection (earlier requests finish first) fits"))

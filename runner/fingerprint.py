@@ -92,10 +92,12 @@ def engine_environment(job, environ: Optional[dict] = None) -> dict[str, str]:
 
 def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
     """What decides the best speculative setting for a job (see runner/engines/calibrate.py)."""
-    # Admission waves only pace when requests go in: a stored choice stays good with them on or off.
+    # Admission waves only pace when requests go in, and the token masks' threads and pinned memory
+    # only speed vLLM's steps (outputs are the same): a stored choice stays good with them on or off.
     # The usage feedback counts like kv_pacing, but only when on: at its default (off) it leaves the
     # keys stored before it existed as they were.
-    engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process", "admission_waves"})
+    engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process", "admission_waves",
+                                                            "grammar_threads_from", "grammar_mask_pinned"})
     if not engine["kv_usage_feedback"]:
         del engine["kv_usage_feedback"]
     # The CUDA graph sizes vLLM gets, only where it gets some: keys stored before the setting existed

@@ -286,6 +286,53 @@ def test_real_usage_corrects_a_count_that_runs_high(make_job, tmp_path):
     assert on["preemptions"] == off["preemptions"] == 0
 
 
+def test_real_token_masks_filled_on_threads_in_a_spawned_core(make_job, tmp_path):
+    """grammar_threads_from 2: vLLM's engine core, spawned in a process of its own (where only the
+    runner's vLLM plugin can reach it), fills the token masks of steps with more than 2 guided
+    requests on threads, and says so; the rows are as valid as, and mostly the same as, those of a
+    core filling them one by one (vLLM's own threshold, in the runner's process). Each step fills
+    every row of the masks, so a mask given to the wrong request would break the JSON."""
+    rows, seen = {}, {}
+    for threads_from, in_process in ((2, False), (None, True)):
+        engine = {"speculative": None, "grammar_threads_from": threads_from, "in_process": in_process}
+        db = f"out/{threads_from}.sqlite"
+        job = make_job(rows=24, engine=engine, job={"output": {"database": db}, "sampling": {"max_tokens": 96}})
+        result = run_cli("run", "--quiet", job)
+        assert result.returncode == 0, result.stderr[-3000:]
+        con = sqlite3.connect(tmp_path / db)
+        rows[threads_from] = dict(con.execute("SELECT row_id, output_text FROM results WHERE status = 'ok'"))
+        seen[threads_from] = json.loads(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
+    masks = seen[2]["engines"][0]["grammar_masks"]
+    assert masks["threads_from"] == 2 and masks["workers"] >= 2, masks
+    assert masks["steps"] > 0 and 0 < masks["threaded_steps"] <= masks["steps"], masks
+    assert masks["pinned_buffers"] == 0  # no CUDA here
+    own = seen[None]["engines"][0]["grammar_masks"]
+    assert own["threads_from"] == 128 and own["threaded_steps"] == 0, own
+    assert len(rows[2]) >= 20 and len(rows[None]) >= 20
+    for text in rows[2].values():
+        jsonschema.validate(json.loads(text), SCHEMA)
+    same = sum(rows[2].get(k) == v for k, v in rows[None].items())
+    assert same >= 0.8 * len(rows[None]), (same, len(rows[None]))
+
+
+def test_vllm_loads_the_runners_plugin_only_where_the_runner_set_it():
+    """The entry point vLLM's engine processes load their plugins from: the manager is wrapped
+    where RUNNER_GRAMMAR_MASKS is set, and plain vLLM beside the runner is left as it ships."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from vllm.plugins import load_general_plugins\n"
+            "load_general_plugins()\n"
+            "from vllm.v1.structured_output import StructuredOutputManager as M\n"
+            "print(getattr(M, '_runner_masks', False))\n")
+    env = {k: v for k, v in os.environ.items() if k != "RUNNER_GRAMMAR_MASKS"} | {"HF_HUB_OFFLINE": "1"}
+    for value, wrapped in ((None, "False"), ('{"threads_from": 16, "pinned": true}', "True")):
+        run_env = env if value is None else env | {"RUNNER_GRAMMAR_MASKS": value}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == wrapped, out.stderr[-2000:]
+
+
 def test_real_verify_then_distill_a_draft_and_calibrate_with_it(make_job, tmp_path):
     """runner verify compares greedy outputs with and without ngram drafts on real vLLM; a job's
     outputs then train a 2-layer draft that vLLM runs as a calibration candidate."""

@@ -15,12 +15,13 @@ from typing import Any, Optional
 from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
+from runner.engines import grammar_masks
 from runner.engines.feed import Admitted, Feed
 from runner.engines.vllm_settings import (core_in_this_process, engine_counters, gauge, graphs_of_mixed_steps,
                                           llm_kwargs, offline_environment, resolve_grammar, sampling_params)
 from runner.errors import EngineError, ModelError, RunnerError
 from runner.models import is_model_dir, missing_model
-from runner.scratch import vllm_files_here
+from runner.scratch import scratch_dir, vllm_files_here
 from runner.spec import SamplingSpec
 
 # How often vLLM's engine-wide preemption counter is read (a metrics scan); per-request preemption
@@ -28,6 +29,7 @@ from runner.spec import SamplingSpec
 PREEMPTION_CHECK_S = 1.0
 
 
+_ENGINES = itertools.count()
 _LET_GO: list = []  # engines let go (see VllmEngine.let_go), kept until the process ends
 
 
@@ -37,13 +39,17 @@ class VllmEngine(Engine):
     def __init__(self, cfg: EngineConfig, model_path: Path, sampling: SamplingSpec, schema: dict):
         if not is_model_dir(model_path, weights=cfg.needs_weights):
             raise ModelError(missing_model(model_path))
-        os.environ.update(offline_environment(cfg.in_process))
+        # what vLLM's core does with the token masks comes back in a file: the core may run elsewhere
+        self._masks_report = scratch_dir() / f"grammar-masks-{os.getpid()}-{next(_ENGINES)}.json"
+        os.environ.update(offline_environment(cfg.in_process) | grammar_masks.environment(
+            cfg.grammar_threads_from, cfg.grammar_mask_pinned, self._masks_report))
         t0 = time.perf_counter()
         try:
             import vllm
             from vllm import LLM
         except ImportError as exc:
             raise EngineError(f"vLLM is not installed: {exc}") from None
+        masks_wrapped = grammar_masks.install()  # before the core starts: a forked one inherits it
         # `runner run`, `calibrate` and `verify` decide and record it for all their engines
         # (job_with_grammar); an engine built otherwise must still not hand vLLM `measure`.
         cfg, _ = resolve_grammar(cfg, model_path, schema)
@@ -92,6 +98,8 @@ class VllmEngine(Engine):
         self.info = EngineInfo(backend="vllm", version=vllm.__version__, kv_total_blocks=self.kv_blocks,
                                settings={k: v for k, v in kw.items() if k != "model"}
                                | {"max_in_flight": max_in_flight, "warm_prefix": cfg.warm_prefix,
+                                  "grammar_masks": {"threads_from": cfg.grammar_threads_from,
+                                                    "pinned": cfg.grammar_mask_pinned, "wrapped": masks_wrapped},
                                   # what vLLM actually ran: InprocClient or SyncMPClient (a process of its own)
                                   "engine_core": type(getattr(self._core, "engine_core", None)).__name__})
 
@@ -264,7 +272,8 @@ class VllmEngine(Engine):
                  "mean_held": round(self.loop["held_step_sum"] / steps, 1),
                  "mean_kv_usage": round(usage / n, 3) if n else None,
                  "mean_kv_counted": round(counted / n, 3) if n and self.budget.project else None}
-        return self.budget.describe() | self.feed.cadence.describe() | {"start": self.start, "loop": loop}
+        return self.budget.describe() | self.feed.cadence.describe() | {
+            "start": self.start, "loop": loop, "grammar_masks": grammar_masks.read_report(self._masks_report)}
 
     def let_go(self) -> None:
         """An engine core in this process with no worker processes (`in_process`, one device) ends
