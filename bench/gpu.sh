@@ -9,22 +9,21 @@
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
-# The 8B shape with the GPU config's 20 graph sizes was measured at 04253d4 (2 rounds of sorted and
-# runner: bench/results/2026-12-02-nvidia-h200-8b-graphs.json); plain arrival and vllmgraphs beside
-# it are still to run (the 8B plan below; ~6.5 min a round with plain, whose 8B run takes ~135 s,
-# and ~3.5 min of warm-up compiles: 2 rounds fit after staging). The 135M with its calibration stored was last measured at a3584f4 beside inproc
-# (bench/results/2026-12-02-nvidia-h200-inproc.json: a warm-up of 3 and 12 runs, ~1,330 s of device
-# time with staging). The 135M first run with the runner's own Triton cache was measured at 4854afc
-# (bench/results/2026-12-02-nvidia-h200-triton-check.json: runner_first added nothing to ~/.triton,
-# LLM(...) 14.5 s). That lease took ~1,340 s of device time for a warm-up of 2, 10 runs and an extra
-# round of 2 (plain 75.8-92.9 s). Its plan, for a new 135M comparison (~22 min):
+# The 8B shape was last measured at e657ff3 (3 rounds of sorted, runner and vllmmasks after a warm-up
+# of plain and runner, plus one 135M runner run in round 1 and 2 extra 135M rounds of runner and
+# vllmmasks: bench/results/2026-12-02-nvidia-h200-grammar-masks.json; ~1,420 s of device time with
+# staging; an 8B round of those three took ~4.5 min, the warm-up ~5 min). A start refused by the
+# device (none free) still cost ~90 s of budget. The 135M with its calibration stored was last
+# measured at a3584f4 beside inproc (bench/results/2026-12-02-nvidia-h200-inproc.json: a warm-up of 3
+# and 12 runs, ~1,330 s of device time with staging).
+# Next: the 135M's token masks (1.00x and 1.33x in 2 rounds at e657ff3: not established) beside
+# sorted, so that tight-vs-sorted is measured at the same commit (~22 min):
 #   WARMUP="invoices/tight/135m=plain,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
-#     --repeats 3 --deadline-s 900 --cases "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner"
+#     --repeats 3 --deadline-s 900 --cases "invoices/tight/135m=sorted,runner,vllmmasks"
 # Check a new configuration's outputs too (rows_valid, and errors in its results.sqlite), not only its speed.
-# The 8B shape's plan: plain arrival, sorted, the runner with the GPU config's 20 graph sizes, and
-# vllmgraphs (vLLM's 51):
-#   WARMUP="invoices/tight/8b=plain,runner,vllmgraphs" bash bench/gpu.sh start --multi "" --repeats 2 \
-#     --deadline-s 700 --cases "invoices/tight/8b=plain,sorted,runner,vllmgraphs"
+# The 8B shape's plan with plain arrival (~6.5 min a round; its 8B run takes ~135 s):
+#   WARMUP="invoices/tight/8b=plain,runner" bash bench/gpu.sh start --multi "" --repeats 2 \
+#     --deadline-s 700 --cases "invoices/tight/8b=plain,sorted,runner"
 # A machine left idle for 30 s is gone with everything on it (62855f5 lost its round 3 that way, and
 # 04253d4 its whole first machine, ~750 s of device time, while a watcher script was being written
 # between two polls: write any command before the poll that precedes it):

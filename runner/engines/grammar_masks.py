@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 ENV = "RUNNER_GRAMMAR_MASKS"
-PINNED_BUFFERS = 4  # > vLLM's steps in flight (2 with one GPU; pipeline parallelism may add some)
+PINNED_BUFFERS = 4  # at least: vLLM's steps in flight (2 with one GPU) + 2, where it says more
 BATCH = 8  # masks a thread fills at a time: 40 requests spread over 5 threads, vLLM's 16 over 3
 REPORT_STEPS = 64
 log = logging.getLogger("vllm.runner_grammar_masks")  # vLLM's handlers print it in its core's log
@@ -122,7 +122,11 @@ def tune(manager: Any, wanted: Optional[dict[str, Any]], cpus: Optional[int] = N
         log.warning("runner: this vLLM fills token masks differently; left as it ships")
         return
     manager._runner_pool, manager._runner_turn, manager._runner_report = None, 0, wanted.get("report")
-    manager._runner_pin = bool(wanted.get("pinned")) and _cuda()
+    config = getattr(manager, "vllm_config", None)
+    # Only where the worker shares this process (vLLM's "uni" executor): other executors send the
+    # masks to their workers by message, and pinning here would start CUDA in a process without it.
+    uni = getattr(getattr(config, "parallel_config", None), "distributed_executor_backend", None) == "uni"
+    manager._runner_pin = bool(wanted.get("pinned")) and uni and _cuda()
     manager._runner_seen = {"threads_from": limit, "workers": None, "pinned_buffers": 0,
                             "steps": 0, "threaded_steps": 0}
     threads_from = wanted.get("threads_from")
@@ -133,13 +137,17 @@ def tune(manager: Any, wanted: Optional[dict[str, Any]], cpus: Optional[int] = N
         return
     try:
         max_seqs = manager.vllm_config.scheduler_config.max_num_seqs
+        drafts = manager.vllm_config.speculative_config is not None
     except AttributeError:
         return
-    if max_seqs <= threads_from:
-        return  # never more requests a step than the threshold: nothing to spread
-    if getattr(manager, "executor_for_fillmask", None) is None:
-        # vLLM makes its pool only where max_num_seqs passes 128, and shuts it down with the
-        # backend wherever the threshold is below max_num_seqs, as it now is
+    if max_seqs <= threads_from or drafts:
+        return  # never more requests a step than the threshold, or drafts (vLLM then fills serially)
+    pool = getattr(manager, "executor_for_fillmask", None)
+    if getattr(pool, "_max_workers", 0) < 2:
+        # vLLM makes its pool only where max_num_seqs passes 128, of half the CPUs (one thread on two
+        # cores), and shuts it down with the backend wherever the threshold is below max_num_seqs
+        if pool is not None:
+            pool.shutdown(wait=False)
         workers = max(2, min((cpus or os.cpu_count() or 2) // 2, 8))
         manager.executor_for_fillmask = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="runner-masks")
     manager.fill_bitmask_parallel_batch_size = BATCH
@@ -149,13 +157,23 @@ def tune(manager: Any, wanted: Optional[dict[str, Any]], cpus: Optional[int] = N
 
 def _pin(manager: Any) -> None:
     """Pinned copies of the mask buffer vLLM allocated on its first step, filled in turn from now on."""
+    in_flight = getattr(getattr(manager, "vllm_config", None), "max_concurrent_batches", 2)
+    n = max(PINNED_BUFFERS, (in_flight if isinstance(in_flight, int) else 2) + 2)
     try:
-        manager._runner_pool = [manager._grammar_bitmask.pin_memory() for _ in range(PINNED_BUFFERS)]
+        manager._runner_pool = [pinned_copy(manager._grammar_bitmask) for _ in range(n)]
     except RuntimeError as exc:  # no pinned memory here after all
         log.warning("runner: token masks stay unpinned: %s", exc)
         manager._runner_pin = False
         return
     manager._runner_seen["pinned_buffers"] = len(manager._runner_pool)
+
+
+def pinned_copy(buffer: Any) -> Any:
+    """A new pinned buffer holding `buffer`'s masks. Not `pin_memory()`, which returns a buffer
+    already pinned as it is (llguidance's and outlines' are): the turns would all be one buffer."""
+    import torch
+
+    return torch.empty_like(buffer, pin_memory=True).copy_(buffer)
 
 
 def _report(manager: Any) -> None:
