@@ -39,5 +39,7 @@ def run_summary(summary) -> str:
     return f"Results: {summary.database} (run {summary.run_id})\n" + stats_table(s, summary.counts, [
         ("rows", rows + f"{summary.rows_skipped:,} already done, {summary.rows_input:,} "
                  + (f"taken from the input (limit {summary.input_limit:,})" if summary.input_limit else "in input")
-                 + (f", {summary.rows_rejected:,} left out (see rejected_rows)" if summary.rows_rejected else "")),
+                 + (f", {summary.rows_rejected:,} left out (see rejected_rows)" if summary.rows_rejected else "")
+                 + (f", {summary.rows_documents_cut:,} with their document cut to fit (results.document_tokens_cut)"
+                    if summary.rows_documents_cut else "")),
     ])

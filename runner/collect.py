@@ -48,6 +48,7 @@ class ResultCollector:
         self.buffer: list[ResultRow] = []
         self.samples: list[dict] = []
         self.counts = {s: 0 for s in STATUSES}
+        self.documents_cut = 0  # rows stored with their document cut to fit (input.on_too_long: truncate)
         self.tokens = {"prompt": 0, "completion": 0, "cached": 0}
         self.timers = {"check_s": 0.0, "store_s": 0.0}  # the driver's own work on finished rows
         self.recorded: dict[str, tuple] = {}  # without keep_results: row id -> (status, extraction, text)
@@ -97,8 +98,10 @@ class ResultCollector:
             completion_tokens=c.completion_tokens, cached_prompt_tokens=c.cached_prompt_tokens,
             finish_reason=c.finish_reason, latency_ms=round(c.latency_ms, 3), preemptions=c.preemptions,
             attempts=f.attempt, first_status=f.first_status, fingerprint=self.fingerprint,
-            output_token_ids_json=json.dumps(c.token_ids) if c.token_ids else None))
+            output_token_ids_json=json.dumps(c.token_ids) if c.token_ids else None,
+            document_tokens_cut=(f.request.document_tokens_cut or None) if f.request is not None else None))
         self.counts[status.value] += 1
+        self.documents_cut += bool(self.buffer[-1].document_tokens_cut)
         if status is not Status.FAILED:  # a failed row never reached the engine: its prompt is not speed
             self.tokens["prompt"] += c.prompt_tokens
         self.tokens["completion"] += c.completion_tokens

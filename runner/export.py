@@ -17,7 +17,8 @@ from runner.store import Store
 FORMATS = ("parquet", "csv", "jsonl")
 BATCH_ROWS = 5_000  # rows an export holds in memory at once (a Parquet row group each)
 # Arrow types of the result's own columns (the rest are text)
-_COLUMN_TYPES = {c: "int64" for c in ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "attempts", "run_id")} \
+_COLUMN_TYPES = {c: "int64" for c in ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "attempts", "run_id",
+                                      "document_tokens_cut")} \
     | {"latency_ms": "float64"}
 _SCALARS = {"string", "integer", "number", "boolean"}
 

@@ -229,9 +229,17 @@ def m011_samples_failed_rows(conn: Connection) -> None:
     conn.exec_driver_sql("ALTER TABLE run_samples ADD COLUMN rows_failed INTEGER NOT NULL DEFAULT 0")
 
 
+def m012_document_tokens_cut(conn: Connection) -> None:
+    # input.on_too_long: truncate cuts a document to fit max_model_len: its result says by how many
+    # tokens, so that an extraction made from part of a document can be told from the others.
+    for table in ("results", "results_history"):
+        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN document_tokens_cut INTEGER")
+
+
 MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations, m005_fingerprints,
               m006_verifications_and_drafts, m007_output_token_ids, m008_rejected_rows,
-              m009_verification_discordant_rows, m010_history_by_run, m011_samples_failed_rows]
+              m009_verification_discordant_rows, m010_history_by_run, m011_samples_failed_rows,
+              m012_document_tokens_cut]
 
 
 def utc_now() -> str:

@@ -135,23 +135,26 @@ class PromptBuilder:
         return [ids + r for r in self.encode_batch([middle + u + tail for u in users])]
 
     def fit(self, system: Optional[str], doc: Document, ids: list[int], max_model_len: int, max_tokens: int,
-            truncate: bool) -> tuple[list[int], Optional[str]]:
+            truncate: bool) -> tuple[list[int], Optional[str], int]:
         """The prompt-length rule: prompt tokens plus max_tokens must fit in max_model_len. With
         `truncate`, the document's text is cut to fit (8 tokens of slack: the cut text can
-        re-tokenize a little longer); otherwise, or if cutting cannot make it fit, the reason."""
+        re-tokenize a little longer); otherwise, or if cutting cannot make it fit, the reason.
+        Returns the prompt's ids, the reason or None, and the document's tokens cut."""
         over = len(ids) + max_tokens - max_model_len
+        cut_tokens = 0
         if over > 0 and truncate:
             text_ids = self.encode(doc.text)
-            cut = Document(doc.row_id, self.decode(text_ids[: max(len(text_ids) - over - 8, 0)]), doc.system_prompt,
-                           doc.fields)
+            kept = max(len(text_ids) - over - 8, 0)
+            cut = Document(doc.row_id, self.decode(text_ids[:kept]), doc.system_prompt, doc.fields)
             ids = self.prompt_ids(system, self.user_text(cut))
             over = len(ids) + max_tokens - max_model_len
+            cut_tokens = len(text_ids) - kept
         if over > 0:
             how = ("the prompt's other parts (system prompt, few-shot turns, template) do not fit even with "
                    "the document cut" if truncate else "set input.on_too_long: truncate to cut the document")
             return ids, (f"prompt is {len(ids)} tokens; with max_tokens={max_tokens} it exceeds "
-                         f"max_model_len={max_model_len} ({how})")
-        return ids, None
+                         f"max_model_len={max_model_len} ({how})"), cut_tokens
+        return ids, None, cut_tokens
 
     def eos_token_id(self) -> Optional[int]:
         """The token that ends an answer (the chat template's end of turn)."""

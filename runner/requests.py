@@ -81,7 +81,7 @@ class RequestBuilder:
 
     def _request(self, group: Group, doc: Document, ids: list[int]) -> Request | Completion:
         b = self.builder
-        ids, too_long = b.fit(group.system_prompt, doc, ids, self.max_model_len, self.max_tokens, self.truncate)
+        ids, too_long, cut = b.fit(group.system_prompt, doc, ids, self.max_model_len, self.max_tokens, self.truncate)
         if too_long:
             return Completion(doc.row_id, prompt_tokens=len(ids), error=too_long)
         g = self.groups.setdefault(group.key, GroupSummary(group.key, ""))
@@ -90,7 +90,8 @@ class RequestBuilder:
         g.rows += 1
         g.prompt_tokens += len(ids)
         g.cacheable_tokens += cacheable
-        return Request(doc.row_id, group.key, ids, self.max_tokens, cacheable, shared_tokens=min(head, len(ids) - 1))
+        return Request(doc.row_id, group.key, ids, self.max_tokens, cacheable, shared_tokens=min(head, len(ids) - 1),
+                       document_tokens_cut=cut)
 
 
 def build_ahead(job: Job, rb: RequestBuilder, is_done: Optional[Callable[[list[str]], set[str]]],

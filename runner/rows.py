@@ -50,6 +50,8 @@ class ResultRow:
     first_status: Optional[str]  # the first attempt's status, when the row was retried
     fingerprint: Optional[str]  # what made it (runner/fingerprint.py)
     output_token_ids_json: Optional[str] = None  # the generated token ids (what `runner distill` learns)
+    # input.on_too_long: truncate: the document's tokens cut so that the prompt fits (None: not cut)
+    document_tokens_cut: Optional[int] = None
 
     def values(self, created_at_utc: str) -> tuple:
         """In RESULT_COLUMNS order."""
@@ -64,7 +66,7 @@ EXPORT_COLUMNS = ("row_id", "group_key", "status", "error", "prompt_tokens", "co
                   "cached_prompt_tokens", "finish_reason", "latency_ms", "attempts", "first_status", "extraction_json")
 # which run made the row, with what job (a fingerprint: model, prompts, schema...), when, and the
 # model's raw text (what an invalid or cut-off row said)
-EXPORT_COLUMNS_ADDED = ("run_id", "fingerprint", "created_at_utc", "output_text")
+EXPORT_COLUMNS_ADDED = ("run_id", "fingerprint", "created_at_utc", "output_text", "document_tokens_cut")
 
 
 def _rate(num: float, den: float) -> Optional[float]:

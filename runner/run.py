@@ -80,6 +80,7 @@ class RunSummary:
     job_counts: dict[str, int] = field(default_factory=dict)  # all the job's stored rows by status
     rows_rejected: int = 0  # input rows left out (on_bad_row: store): null or repeated ids
     input_limit: Optional[int] = None  # input.limit (--limit): rows_input counts the rows taken, not the input's
+    rows_documents_cut: int = 0  # rows run with their document cut to fit (input.on_too_long: truncate)
 
     @property
     def failed_fraction(self) -> float:
@@ -251,7 +252,8 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
                                           plan_share=None, redone=store.rows_replaced_by(run_id))
     stats = _stats(collector, engines, work, opts, choice, timing, collector.rb.plan().prefix_share, work.redone)
     store.finish_run(run_id, "completed", stats=stats)
-    return RunSummary(run_id, str(job.database_path), 0, 0, dict(collector.counts), stats.as_dict())
+    return RunSummary(run_id, str(job.database_path), 0, 0, dict(collector.counts), stats.as_dict(),
+                      rows_documents_cut=collector.documents_cut)
 
 
 def _and_then(on_start: Optional[Callable], then: Callable[[], None]) -> Callable:

@@ -79,8 +79,8 @@ def test_a_changed_schema_redoes_the_stored_rows_and_keeps_the_old_ones(make_job
     assert {r["run_id"] for r in got[1]} == {1} and {r["run_id"] for r in got[3]} == {3}
     assert all(r["output_text"] and r["created_at_utc"] for r in got[1] + got[3])
     # the columns added later come after the extraction's, where readers by position do not look
-    assert list(got[1][0])[-6:] == ["extraction_sentiment", "extraction_summary", "run_id", "fingerprint",
-                                    "created_at_utc", "output_text"]
+    assert list(got[1][0])[-7:] == ["extraction_sentiment", "extraction_summary", "run_id", "fingerprint",
+                                    "created_at_utc", "output_text", "document_tokens_cut"]
 
 
 def test_changed_sampling_names_the_field_and_a_new_row_runs_alone(make_job, tmp_path):

@@ -159,10 +159,22 @@ def test_too_long_document_fails_or_is_truncated(make_job, tmp_path):
 
     job2 = load_job(make_job(docs=docs, job={"name": "t2", "input": {"on_too_long": "truncate"}}))
     seen2 = FakeEngine(SCHEMA)
-    run_job(job2, engine_factory=lambda j: seen2)
+    summary2 = run_job(job2, engine_factory=lambda j: seen2)
+    from runner.cli_output import run_summary
+    assert summary2.rows_documents_cut == 1
+    assert "1 with their document cut to fit (results.document_tokens_cut)" in run_summary(summary2)
+    assert "document cut" not in run_summary(run_job(job2, engine_factory=lambda j: FakeEngine(SCHEMA)))  # all done
     long_req = [r for r in seen2.seen if r.row_id == "r001"][0]
     assert len(long_req.prompt_token_ids) + 64 <= 1024
-    assert results(job2)["r001"]["status"] == "ok"
+    cut = results(job2)
+    assert cut["r001"]["status"] == "ok"
+    # the stored row says how much of its document was cut; the others were not cut
+    # what was kept and what was cut make the whole prompt the first job stored as too long
+    # (within a few tokens: the cut text can re-tokenize differently at the cut)
+    whole = len(long_req.prompt_token_ids) + cut["r001"]["document_tokens_cut"]
+    assert abs(whole - rows["r001"]["prompt_tokens"]) <= 4, (whole, rows["r001"]["prompt_tokens"])
+    assert cut["r000"]["document_tokens_cut"] is None and cut["r002"]["document_tokens_cut"] is None
+    assert long_req.document_tokens_cut == cut["r001"]["document_tokens_cut"]
     # a system prompt that does not fit even with the document cut: said so, not "set truncate"
     job3 = load_job(make_job(docs=docs, job={"name": "t3", "input": {"on_too_long": "truncate"},
                                             "sampling": {"temperature": 0, "max_tokens": 1000}}))

@@ -26,6 +26,7 @@ class Request:
     # held in the KV cache once for the group, computed by whichever of its rows runs first (that
     # row's cacheable_tokens is 0, yet these blocks are not its own).
     shared_tokens: int = 0
+    document_tokens_cut: int = 0  # input.on_too_long: truncate: tokens cut from the document to fit
 
 
 @dataclass
