@@ -152,7 +152,8 @@ def tune(manager: Any, wanted: Optional[dict[str, Any]], cpus: Optional[int] = N
         manager.executor_for_fillmask = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="runner-masks")
     manager.fill_bitmask_parallel_batch_size = BATCH
     manager.fill_bitmask_parallel_threshold = threads_from
-    manager._runner_seen |= {"threads_from": threads_from, "workers": getattr(manager.executor_for_fillmask, "_max_workers", None)}
+    workers = getattr(manager.executor_for_fillmask, "_max_workers", None)
+    manager._runner_seen |= {"threads_from": threads_from, "workers": workers}
 
 
 def _pin(manager: Any) -> None:

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from runner.engine_config import EngineConfig, SpeculativeSpec
+from runner.engines import grammar_masks
 from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
-from runner.engines import grammar_masks
 from runner.engines.feed import Admitted, Feed
 from runner.engines.vllm_settings import (core_in_this_process, engine_counters, gauge, graphs_of_mixed_steps,
                                           llm_kwargs, offline_environment, resolve_grammar, sampling_params)
