@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Iterator, Optional
 
+from runner import json_lines
 from runner.errors import InputError
 from runner.spec import InputSpec
 
@@ -124,19 +125,29 @@ class LocalReader(Reader):
         import pyarrow as pa
         import pyarrow.dataset as ds
 
+        present = [c for c in columns if c not in partition]
+        given = 0  # rows yielded: a JSON Lines file read again in Python goes on after them
         try:
             data = ds.dataset(file, format="json" if fmt == "jsonl" else self._csv_format())
             self._check_columns(file, set(data.schema.names) | set(partition))
-            present = [c for c in columns if c not in partition]
             if fmt == "jsonl":
-                data = _json_columns(file, data.schema, present)
-            yield from data.to_batches(columns=present, batch_size=self.spec.batch_rows)
+                data = json_lines.typed_dataset(file, data.schema, present)
+            for batch in data.to_batches(columns=present, batch_size=self.spec.batch_rows):
+                given += batch.num_rows
+                yield batch
         except PermissionError:
             raise InputError(f"{file}: cannot read input (permission denied)") from None
-        except pa.ArrowInvalid:
-            if fmt != "jsonl" or (where := _bad_json_line(file)) is None:
+        except pa.ArrowInvalid as exc:
+            if fmt != "jsonl":
                 raise
-            raise InputError(f"{file}: {where}") from None
+            if (where := json_lines.bad_line(file)) is not None:
+                raise InputError(f"{file}: {where}") from None
+            if json_lines.TYPE_CHANGE not in str(exc):
+                raise
+        else:
+            return
+        fields = dict(self.spec.columns())  # a column whose values change type: read as text, in Python
+        yield from json_lines.text_batches(file, [(c, fields[c]) for c in present], given, self.spec.batch_rows)
 
     def _csv_format(self):
         import pyarrow.dataset as ds
@@ -188,38 +199,6 @@ def csv_options(spec: InputSpec) -> dict:
     text = {c: pa.string() for c, _ in spec.columns()}
     return dict(parse_options=pcsv.ParseOptions(newlines_in_values=True),
                 convert_options=pcsv.ConvertOptions(column_types=text, strings_can_be_null=True, null_values=[""]))
-
-
-def _json_columns(file: str, inferred, columns: list[str]):
-    """The JSON Lines file as a dataset of the job's columns only, each of the type pyarrow inferred
-    from the file's first block, but text where that block held only nulls: a title null on the
-    first 10,000 lines and text after was refused ("changed from null to string"), and a field the
-    job does not read can no longer stop the run by changing type."""
-    import pyarrow as pa
-    import pyarrow.dataset as ds
-    import pyarrow.json as pj
-
-    schema = pa.schema([pa.field(c, pa.string() if pa.types.is_null(inferred.field(c).type) else inferred.field(c).type)
-                        for c in columns])
-    options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    return ds.dataset(file, format=ds.JsonFileFormat(parse_options=options), schema=schema)
-
-
-def _bad_json_line(file: str) -> Optional[str]:
-    """Where a JSON Lines file stops being JSON, by line number (pyarrow counts rows per block)."""
-    import json
-
-    with open(file, "rb") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except ValueError as exc:
-                return f"line {number}: not valid JSON ({getattr(exc, 'msg', exc)})"
-            if not isinstance(value, dict):
-                return f"line {number}: not a JSON object"
-    return None
 
 
 def _with_partition(batch, partition: dict, columns: list[str]):

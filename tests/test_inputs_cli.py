@@ -169,6 +169,56 @@ def test_json_lines_whose_column_is_null_for_a_first_block_and_text_later_run(ma
     assert con.execute("SELECT count(*), sum(status = 'ok') FROM results").fetchone() == (20_000, 20_000)
 
 
+def test_json_lines_ids_of_numbers_and_text_run_as_text(make_job, tmp_path, monkeypatch):
+    """pyarrow types a JSON column from its first values and refused ids 7 and "r8" in one file as
+    corrupt data; the job's columns are then read as text. A change past pyarrow's first blocks
+    (row 40,000) goes on after the rows pyarrow already gave: none twice, none lost."""
+    from runner import json_lines
+
+    skipped = []
+    text_batches = json_lines.text_batches
+    monkeypatch.setattr(json_lines, "text_batches", lambda f, c, skip, n: skipped.append(skip) or text_batches(f, c, skip, n))
+    for first_change in (1, 40_000):
+        lines = [{"id": f"r{i}", "text": "t", "system_prompt": "s", "title": "x"} for i in range(40_010)]
+        for i in range(first_change, len(lines), 2):
+            lines[i].update(id=i, title=i * 1.5)
+        if first_change == 1:
+            lines[5].update(title={"a": [1]})
+        folder = tmp_path / str(first_change)
+        folder.mkdir()
+        (folder / "docs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + "\n\n")
+        job = make_job(job={"input": {"path": f"{first_change}/docs.jsonl", "extra_columns": ["title"]},
+                            "prompts": {"user_template": "{title}: {text}"}})
+        out = invoke("run", "--engine", "fake", "--quiet", job)
+        assert out.exit_code == 0, out.output
+        con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+        ids = [r[0] for r in con.execute("SELECT row_id FROM results WHERE job_name = 't'")]
+        assert sorted(ids) == sorted(str(x["id"]) for x in lines) and len(set(ids)) == 40_010
+        con.execute("DELETE FROM results")
+        con.commit()
+        con.close()
+    # the scan and the run read the file each: from its start, then after pyarrow's first rows (as
+    # many as its readahead gave before the change)
+    assert skipped[:2] == [0, 0] and len(skipped) == 4 and all(0 < n < 40_000 for n in skipped[2:]), skipped
+
+
+def test_json_lines_values_that_cannot_be_text_name_their_line(make_job, tmp_path):
+    cases = [("id", 2.5, "line 3: column 'id' (input.id_column) holds 2.5: an id must be an integer or text"),
+             ("id", True, "line 3: column 'id' (input.id_column) holds true"),
+             ("text", 5, "line 3: column 'text' (input.text_column) holds 5, not text")]
+    for column, value, said in cases:
+        lines = [{"id": f"r{i}", "text": "t", "system_prompt": "s"} for i in range(5)]
+        lines[2][column] = value
+        (tmp_path / "docs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        out = invoke("validate", "--set", "input.path=docs.jsonl", make_job())
+        assert out.exit_code == 3 and "docs.jsonl: " + said in out.output, out.output
+        assert out.output.count("\n") == 1 and "corrupt" not in out.output
+    lines = [{"id": i if i % 2 else f"r{i}", "txt": "t", "system_prompt": "s"} for i in range(5)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = invoke("validate", "--set", "input.path=docs.jsonl", make_job())
+    assert out.exit_code == 3 and "column 'text' (input.text_column) not found" in out.output, out.output
+
+
 def test_bad_input_leaves_no_log_and_no_folder_behind(make_job, tmp_path):
     job = make_job()
     out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--set", "input.text_column=nope", str(job)])
