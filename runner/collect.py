@@ -79,7 +79,8 @@ class ResultCollector:
         t0 = time.perf_counter()
         checked = self.checker.check(c, f.request.max_tokens)
         self.timers["check_s"] += time.perf_counter() - t0
-        budget = retry_tokens(checked, f.attempt, f.request.max_tokens, self.job.spec.sampling)
+        room = self.rb.max_model_len - len(f.request.prompt_token_ids)  # vLLM stops a request there
+        budget = retry_tokens(checked, f.attempt, f.request.max_tokens, self.job.spec.sampling, room)
         if budget is not None:
             again = replace(f.request, max_tokens=budget, attempt=f.attempt + 1)
             self.in_flight[c.row_id] = InFlight(again, f.attempt + 1, checked.status)

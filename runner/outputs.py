@@ -53,11 +53,19 @@ class OutputChecker:
         return Checked(Status.OK, json.dumps(value, ensure_ascii=False), None)
 
 
-def retry_tokens(checked: Checked, attempt: int, max_tokens: int, sampling) -> Optional[int]:
+def retry_tokens(checked: Checked, attempt: int, max_tokens: int, sampling, room: Optional[int] = None) -> Optional[int]:
     """The retry policy: an output cut off or failing the schema gets one more attempt when
     sampling.retry_max_tokens (a budget, at least the first one) or sampling.retry_repetition_penalty
-    (a penalty for outputs that loop, on the retry only) is set; None: store it as it is."""
+    (a penalty for outputs that loop, on the retry only) is set; None: store it as it is. `room`:
+    the tokens max_model_len leaves after the prompt, where vLLM would stop the retry short of its
+    budget (a long prompt, or a document cut to fit); a retry that could not write more, and has no
+    penalty to change its output, is not made."""
     retry_max, penalty = sampling.retry_max_tokens, sampling.retry_repetition_penalty
     if attempt > 1 or not (retry_max or penalty) or checked.status in (Status.OK, Status.FAILED):
         return None
-    return max(retry_max or max_tokens, max_tokens)
+    budget = max(retry_max or max_tokens, max_tokens)
+    if room is not None and budget > room:
+        budget = max(room, max_tokens)
+        if budget == max_tokens and not penalty:
+            return None
+    return budget

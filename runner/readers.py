@@ -126,7 +126,12 @@ class LocalReader(Reader):
         import pyarrow.dataset as ds
 
         present = [c for c in columns if c not in partition]
-        given = 0  # rows yielded: a JSON Lines file read again in Python goes on after them
+        fields = dict(self.spec.columns())
+        as_text = [(c, fields[c]) for c in present]
+        if fmt == "jsonl" and json_lines.read_as_text(file):  # its columns change type: text from the start
+            yield from json_lines.text_batches(file, as_text, 0, self.spec.batch_rows)
+            return
+        given = 0  # rows yielded: where pyarrow stops at a change of type, Python goes on after them
         try:
             data = ds.dataset(file, format="json" if fmt == "jsonl" else self._csv_format())
             self._check_columns(file, set(data.schema.names) | set(partition))
@@ -135,19 +140,18 @@ class LocalReader(Reader):
             for batch in data.to_batches(columns=present, batch_size=self.spec.batch_rows):
                 given += batch.num_rows
                 yield batch
+            return
         except PermissionError:
             raise InputError(f"{file}: cannot read input (permission denied)") from None
         except pa.ArrowInvalid as exc:
             if fmt != "jsonl":
                 raise
-            if (where := json_lines.bad_line(file)) is not None:
-                raise InputError(f"{file}: {where}") from None
-            if json_lines.TYPE_CHANGE not in str(exc):
+            problem, keys = json_lines.survey(file)
+            if problem is not None:
+                raise InputError(f"{file}: {problem}") from None
+            if not json_lines.type_change(exc):
                 raise
-        else:
-            return
-        fields = dict(self.spec.columns())  # a column whose values change type: read as text, in Python
-        yield from json_lines.text_batches(file, [(c, fields[c]) for c in present], given, self.spec.batch_rows)
+        yield from json_lines.text_batches(file, as_text, given, self.spec.batch_rows, keys if given == 0 else None)
 
     def _csv_format(self):
         import pyarrow.dataset as ds

@@ -177,7 +177,7 @@ def test_json_lines_ids_of_numbers_and_text_run_as_text(make_job, tmp_path, monk
 
     skipped = []
     text_batches = json_lines.text_batches
-    monkeypatch.setattr(json_lines, "text_batches", lambda f, c, skip, n: skipped.append(skip) or text_batches(f, c, skip, n))
+    monkeypatch.setattr(json_lines, "text_batches", lambda f, c, skip, *a: skipped.append(skip) or text_batches(f, c, skip, *a))
     for first_change in (1, 40_000):
         lines = [{"id": f"r{i}", "text": "t", "system_prompt": "s", "title": "x"} for i in range(40_010)]
         for i in range(first_change, len(lines), 2):
@@ -197,9 +197,34 @@ def test_json_lines_ids_of_numbers_and_text_run_as_text(make_job, tmp_path, monk
         con.execute("DELETE FROM results")
         con.commit()
         con.close()
-    # the scan and the run read the file each: from its start, then after pyarrow's first rows (as
-    # many as its readahead gave before the change)
-    assert skipped[:2] == [0, 0] and len(skipped) == 4 and all(0 < n < 40_000 for n in skipped[2:]), skipped
+    # the check before the run meets the change (at once, or after pyarrow's first rows: as many as
+    # its readahead gave), and the run then reads the whole file as text
+    assert skipped[0] == 0 and 0 < skipped[2] < 40_000 and skipped[1] == skipped[3] == 0, skipped
+
+
+def test_a_json_lines_file_that_changes_type_reads_every_row_alike(make_job, tmp_path):
+    """Where pyarrow gave rows before the change (typed, 3 as 3.0 in a column of decimals) and
+    Python after (text), a row's prompt would depend on where pyarrow stopped, which varies run to
+    run. The run reads the file whole as text: `{x:.1f}` fails on every row, not on those after."""
+    lines = [{"id": f"r{i}", "text": "t", "system_prompt": "s", "x": 1.5 if i == 0 else 3} for i in range(40_010)]
+    lines[-1]["x"] = "n/a"
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    job = make_job(job={"input": {"path": "docs.jsonl", "extra_columns": ["x"]},
+                        "prompts": {"user_template": "{x:.1f} {text}"}})
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT status, count(*) FROM results GROUP BY status").fetchall() == [("failed", 40_010)]
+    assert "Unknown format code 'f'" in con.execute("SELECT error FROM results LIMIT 1").fetchone()[0]
+
+
+def test_json_lines_numbers_that_stop_fitting_their_column_are_a_change_of_type(make_job, tmp_path):
+    """Past the first block pyarrow reads with the first block's types and says "Failed to convert
+    JSON" (an integer id column meeting 2.5): named by its line, not called corrupt."""
+    lines = [{"id": i, "text": "t", "system_prompt": "s"} for i in range(40_010)]
+    lines[40_005]["id"] = 2.5
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = invoke("validate", "--set", "input.path=docs.jsonl", make_job())
+    assert out.exit_code == 3 and "docs.jsonl: line 40006: column 'id' (input.id_column) holds 2.5" in out.output, out.output
 
 
 def test_json_lines_values_that_cannot_be_text_name_their_line(make_job, tmp_path):

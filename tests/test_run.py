@@ -131,6 +131,51 @@ def test_retry_once_with_larger_budget_when_enabled(make_job):
     assert 0 < hit <= bound
 
 
+def test_a_retry_budget_stops_at_what_max_model_len_leaves(make_job, tmp_path):
+    """vLLM stops a request at max_model_len whatever its max_tokens: a retry's budget is held to the
+    room the prompt leaves, and a retry that could not write a token more, with no penalty to
+    change its output, is not made."""
+    from tests.conftest import write_docs
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = write_docs(tmp_path / "data" / "long.parquet", 2)
+    t = pq.read_table(docs).to_pydict()
+    t["text"][1] = "word " * 3000  # cut to fit: the prompt leaves max_tokens and a few more
+    pq.write_table(pa.table(t), docs)
+    budgets: dict[str, list[int]] = {}
+
+    def respond(r):
+        budgets.setdefault(r.row_id, []).append((r.max_tokens, len(r.prompt_token_ids)))
+        return '{"summary": "cut'
+
+    for name, penalty in (("t", None), ("p", 1.2)):
+        job = load_job(make_job(docs=docs, job={"name": name, "input": {"on_too_long": "truncate"}, "sampling": {
+            "temperature": 0, "max_tokens": 64, "retry_max_tokens": 700, "retry_repetition_penalty": penalty}}))
+        budgets.clear()
+        run_job(job, engine_factory=lambda j: FakeEngine(SCHEMA, respond=respond))
+        assert [b for b, _ in budgets["r000"]] == [64, 700]  # a short prompt: the whole retry budget
+        (first, prompt), *retry = budgets["r001"]
+        room = 1024 - prompt
+        assert first == 64 < room < 700
+        assert [b for b, _ in retry] == ([room] if room > 64 or penalty else [])
+        assert results(job)["r001"]["attempts"] == 1 + len(retry)
+
+
+def test_no_retry_where_the_prompt_leaves_no_more_room_and_nothing_else_changes():
+    from types import SimpleNamespace
+
+    from runner.outputs import Checked, retry_tokens
+    from runner.rows import Status
+
+    cut = Checked(Status.INVALID_JSON, None, "not valid JSON")
+    plain, penalised = (SimpleNamespace(retry_max_tokens=700, retry_repetition_penalty=p) for p in (None, 1.2))
+    assert retry_tokens(cut, 1, 64, plain, room=64) is None  # the same budget, the same greedy output
+    assert retry_tokens(cut, 1, 64, penalised, room=64) == 64  # the penalty may change it
+    assert retry_tokens(cut, 1, 64, plain, room=65) == 65 and retry_tokens(cut, 1, 64, plain, room=None) == 700
+    assert retry_tokens(cut, 2, 64, plain, room=900) is None  # one retry only
+
+
 def test_too_long_document_fails_or_is_truncated(make_job, tmp_path):
     from tests.conftest import write_docs
 
