@@ -93,16 +93,16 @@ class ResultCollector:
                error: Optional[str], f: InFlight) -> None:
         if not self.keep_results:
             self.recorded[c.row_id] = (status.value, extraction, c.text)
+        cut = (f.request.document_tokens_cut or None) if f.request is not None else None
         self.buffer.append(ResultRow(
             run_id=self.run_id, job_name=self.job.name, row_id=c.row_id, group_key=group_key, status=status.value,
             extraction_json=extraction, output_text=c.text, error=error, prompt_tokens=c.prompt_tokens,
             completion_tokens=c.completion_tokens, cached_prompt_tokens=c.cached_prompt_tokens,
             finish_reason=c.finish_reason, latency_ms=round(c.latency_ms, 3), preemptions=c.preemptions,
             attempts=f.attempt, first_status=f.first_status, fingerprint=self.fingerprint,
-            output_token_ids_json=json.dumps(c.token_ids) if c.token_ids else None,
-            document_tokens_cut=(f.request.document_tokens_cut or None) if f.request is not None else None))
+            output_token_ids_json=json.dumps(c.token_ids) if c.token_ids else None, document_tokens_cut=cut))
         self.counts[status.value] += 1
-        self.documents_cut += bool(self.buffer[-1].document_tokens_cut)
+        self.documents_cut += cut is not None
         if status is not Status.FAILED:  # a failed row never reached the engine: its prompt is not speed
             self.tokens["prompt"] += c.prompt_tokens
         self.tokens["completion"] += c.completion_tokens

@@ -110,25 +110,25 @@ def _refs(node: Any, where: str, names: bool = False):
 
 
 def _ids(node: Any):
-    if isinstance(node, dict):
-        if isinstance(node.get("$id"), str):
-            yield node["$id"].split("#", 1)[0]
-        for value in node.values():
-            yield from _ids(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _ids(value)
+    """The base URIs `$id` names anywhere in the document."""
+    return (i.split("#", 1)[0] for i in _keyword_texts(node, ("$id",), data=True))
 
 
 def _anchors(node: Any):
     """The names `$anchor` and `$dynamicAnchor` give in the document (data values left out)."""
+    return _keyword_texts(node, ("$anchor", "$dynamicAnchor"), data=False)
+
+
+def _keyword_texts(node: Any, keys: tuple[str, ...], data: bool):
+    """The text values of these keywords, a node's own before those below it; `data`: also under
+    the keywords whose values are instances (_DATA_KEYS)."""
     if isinstance(node, dict):
-        for key in ("$anchor", "$dynamicAnchor"):
+        for key in keys:
             if isinstance(node.get(key), str):
                 yield node[key]
         for key, value in node.items():
-            if key not in _DATA_KEYS:
-                yield from _anchors(value)
+            if data or key not in _DATA_KEYS:
+                yield from _keyword_texts(value, keys, data)
     elif isinstance(node, list):
         for value in node:
-            yield from _anchors(value)
+            yield from _keyword_texts(value, keys, data)
