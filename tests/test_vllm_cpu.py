@@ -95,6 +95,33 @@ def test_real_retry_with_a_larger_budget(make_job, tmp_path):
     assert all(tokens > 8 for *_, tokens in rows)  # the second attempt had the larger budget
 
 
+def test_real_cut_document_is_marked_and_its_retry_held_to_the_room(make_job, tmp_path):
+    """on_too_long: truncate on real vLLM: the long row runs with its document cut, says by how
+    many tokens, and its retry (8 tokens cannot hold the JSON) asks no more than max_model_len leaves."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.conftest import write_docs
+
+    docs = write_docs(tmp_path / "data" / "docs.parquet", 3)
+    t = pq.read_table(docs).to_pydict()
+    t["text"][1] = "The kettle leaks and the lid is loose. " * 300
+    pq.write_table(pa.table(t), docs)
+    job = make_job(docs=docs, engine={"speculative": None}, job={
+        "input": {"on_too_long": "truncate"}, "sampling": {"temperature": 0, "max_tokens": 8, "retry_max_tokens": 500}})
+    result = run_cli("run", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "1 with their document cut to fit" in result.stdout, result.stdout
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    rows = {r[0]: r[1:] for r in con.execute(
+        "SELECT row_id, document_tokens_cut, attempts, prompt_tokens, completion_tokens, status, error FROM results")}
+    cut, attempts, prompt, completion, status, error = rows["r001"]
+    assert cut > 1000 and attempts == 2 and prompt + completion <= 1024
+    # the retry asked for what the prompt left (not 500): greedy, it runs out there
+    assert status == "truncated" and f"output cut off at max_tokens={1024 - prompt} " in error, rows["r001"]
+    assert rows["r000"][0] is None and rows["r002"][0] is None
+
+
 def test_real_calibration_is_measured_once_then_reused(make_job, tmp_path):
     from tests.conftest import SYSTEM_B, write_docs
 
