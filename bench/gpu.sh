@@ -14,12 +14,13 @@
 # vllmmasks: bench/results/2026-12-02-nvidia-h200-grammar-masks.json; ~1,420 s of device time with
 # staging; an 8B round of those three took ~4.5 min, the warm-up ~5 min). A start refused by the
 # device (none free) still cost ~90 s of budget. The 135M with its calibration stored was last
-# measured at a3584f4 beside inproc (bench/results/2026-12-02-nvidia-h200-inproc.json: a warm-up of 3
-# and 12 runs, ~1,330 s of device time with staging).
-# Next: the 135M's token masks (1.00x and 1.33x in 2 rounds at e657ff3: not established) beside
-# sorted, so that tight-vs-sorted is measured at the same commit (~22 min):
+# measured at 0ad8350 (3 rounds of sorted, runner and vllmmasks after a warm-up of plain and runner,
+# then 2 more rounds of sorted and runner: bench/results/2026-12-02-nvidia-h200-135m-masks.json;
+# ~1,260 s of device time with staging: warm-up ~4.5 min, a round of the three ~3.3 min, a round of
+# sorted and runner ~2.2 min).
+# Next, if a change to admission or the engine start is to be measured: the 135M plan again
 #   WARMUP="invoices/tight/135m=plain,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
-#     --repeats 3 --deadline-s 900 --cases "invoices/tight/135m=sorted,runner,vllmmasks"
+#     --repeats 3 --deadline-s 900 --cases "invoices/tight/135m=sorted,runner,<variant>"
 # Check a new configuration's outputs too (rows_valid, and errors in its results.sqlite), not only its speed.
 # The 8B shape's plan with plain arrival (~6.5 min a round; its 8B run takes ~135 s):
 #   WARMUP="invoices/tight/8b=plain,runner" bash bench/gpu.sh start --multi "" --repeats 2 \
