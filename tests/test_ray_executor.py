@@ -162,11 +162,8 @@ print(json.dumps([rows(LocalReader(job.input_path, job.spec.input)),
 """
 
 
-def test_ray_data_reads_a_csv_as_the_local_reader_does(make_job, tmp_path):
-    """`executor: ray` read CSV with Ray's defaults: the id 007 became 7 and NA a null id, so the
-    same input stored other ids than a local run (and resumed neither's rows)."""
-    (tmp_path / "docs.csv").write_text('id,text,system_prompt\n007,"first\nsecond",S\nNA,null,S\n9,,S\n')
-    job = make_job(job={"input": {"path": "docs.csv"}, "ray": {"replicas": 1, "cpus_per_replica": 1}})
+def _read_both(job: Path) -> tuple[list, list]:
+    """The job's rows as LocalReader and RayDataReader read them (in a process of its own: Ray)."""
     short = tempfile.mkdtemp(dir="/tmp")  # Ray's socket paths must fit 107 bytes
     env = dict(os.environ, RAY_AUTH_MODE="disabled", TMPDIR=short)
     proc = subprocess.Popen([sys.executable, "-c", READ_BOTH, str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -180,6 +177,27 @@ def test_ray_data_reads_a_csv_as_the_local_reader_does(make_job, tmp_path):
         shutil.rmtree(short, ignore_errors=True)
     assert proc.returncode == 0, err[-2000:]
     local, ray = json.loads(out.strip().splitlines()[-1])
+    return local, ray
+
+
+def test_ray_data_reads_a_csv_as_the_local_reader_does(make_job, tmp_path):
+    """`executor: ray` read CSV with Ray's defaults: the id 007 became 7 and NA a null id, so the
+    same input stored other ids than a local run (and resumed neither's rows)."""
+    (tmp_path / "docs.csv").write_text('id,text,system_prompt\n007,"first\nsecond",S\nNA,null,S\n9,,S\n')
+    job = make_job(job={"input": {"path": "docs.csv"}, "ray": {"replicas": 1, "cpus_per_replica": 1}})
+    local, ray = _read_both(job)
     assert local == [{"id": "007", "text": "first\nsecond", "system_prompt": "S"},
                      {"id": "NA", "text": "null", "system_prompt": "S"}, {"id": "9", "text": None, "system_prompt": "S"}]
+    assert ray == local
+
+
+def test_ray_reads_json_lines_whose_id_changes_type_as_a_local_run_does(make_job, tmp_path):
+    """Ray Data's read_json failed on ids 7 then "r8" (a RayTaskError from its read task), a file a
+    local run reads, its ids as text."""
+    rows = [{"id": 7, "text": "a", "system_prompt": "S"}, {"id": "r8", "text": "b", "system_prompt": "S"},
+            {"id": 9, "text": "c", "system_prompt": "S"}]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = make_job(job={"input": {"path": "docs.jsonl"}, "ray": {"replicas": 1, "cpus_per_replica": 1}})
+    local, ray = _read_both(job)
+    assert [r["id"] for r in local] == ["7", "r8", "9"]
     assert ray == local
