@@ -1,20 +1,24 @@
-"""JSON Lines input beyond what pyarrow's reader takes: a column whose values change type, and a
-broken line named by its number (pyarrow counts rows within a block)."""
+"""JSON Lines input, read with pyarrow's streaming JSON reader, and beyond what it takes: a column
+whose values change type, a line longer than its block, an empty file, and a broken line named by
+its number (pyarrow counts rows within a block)."""
 from __future__ import annotations
 
+import io
 import json
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from runner.errors import InputError
 
 # pyarrow's words for a column whose values change type: against the types it inferred itself, and
 # against those of the file's first block (typed_dataset)
 TYPE_CHANGE = ("changed from", "Failed to convert JSON")
-# Files found to change type, by (path, size, modification time): read as text from their first row
-# on by every later reader in this process, so that a row reads the same wherever pyarrow stopped
-# (`runner run` checks its input, finding the change, before it reads the rows to run).
-_AS_TEXT: set[tuple] = set()
+# Files found to change type, by (path, size, modification time), with the kinds of value each key
+# holds (survey): read as text from their first row on by every later reader in this process, so
+# that a row reads the same wherever pyarrow stopped (`runner run` checks its input, finding the
+# change, before it reads the rows to run).
+_AS_TEXT: dict[tuple, dict[str, set[str]]] = {}
+INT64 = range(-(1 << 63), 1 << 63)
 
 
 def type_change(exc: BaseException) -> bool:
@@ -32,68 +36,164 @@ def read_as_text(file: str) -> bool:
     return _key(file) in _AS_TEXT
 
 
-def typed_dataset(file: str, inferred, columns: list[str]):
-    """The JSON Lines file as a dataset of the job's columns only, each of the type pyarrow inferred
-    from the file's first block, but text where that block held only nulls: a title null on the
-    first 10,000 lines and text after was refused ("changed from null to string"), and a field the
-    job does not read can no longer stop the run by changing type."""
+BLOCK_BYTES = 1 << 20  # pyarrow's default block; a line that outgrows it is read again in larger ones
+MAX_BLOCK_BYTES = 1 << 30
+
+
+def batches(file: str, columns: list[tuple[str, str]], batch_rows: int,
+            check: Callable[[set[str]], None]) -> Iterator:
+    """The job's columns of one JSON Lines file (gzip and the like by their suffix), at most
+    batch_rows a batch: typed as pyarrow infers them from the file's first block, or as text from the
+    row where a column's values change type on (text_batches). `check` gets the keys the file holds
+    and refuses a missing column. pyarrow's streaming reader, not pyarrow.dataset, whose JSON reader
+    (pyarrow 26) read a file of one line without a final newline, and a file whose first line
+    outgrew its block, as rows of nulls: null ids, or rows left out without a word."""
     import pyarrow as pa
-    import pyarrow.dataset as ds
+
+    if read_as_text(file):
+        yield from text_batches(file, columns, 0, batch_rows)
+        return
+    if not _has_rows(file):
+        return  # an empty file holds no rows (pyarrow refuses it as an "empty JSON stream")
+    given, block = 0, BLOCK_BYTES  # given: rows yielded, not yielded again by a later attempt
+    while True:
+        seen = 0
+        try:
+            for batch in _typed(file, columns, block, check):
+                for start in range(0, batch.num_rows, batch_rows):
+                    piece = batch.slice(start, batch_rows)
+                    if seen + piece.num_rows > given:
+                        yield piece.slice(max(given - seen, 0))
+                        given = seen + piece.num_rows
+                    seen += piece.num_rows
+            return
+        except pa.ArrowInvalid as exc:
+            if "straddl" in str(exc) and block < MAX_BLOCK_BYTES:  # a line longer than a block
+                block *= 8
+                continue
+            failure: Exception = exc
+        except UnicodeDecodeError as exc:  # a key that is not UTF-8 (pyarrow decodes the names)
+            failure = exc
+        break
+    problem, kinds = survey(file)
+    if problem is not None:
+        raise InputError(f"{file}: {problem}") from None
+    if not type_change(failure):
+        raise failure
+    yield from text_batches(file, columns, given, batch_rows, kinds, check=given == 0)
+
+
+def _typed(file: str, columns: list[tuple[str, str]], block: int, check: Callable[[set[str]], None]) -> Iterator:
+    """The job's columns as record batches, each of the type pyarrow inferred from the file's first
+    block, but text where that block held only nulls or lacked the key: a title null on the first
+    10,000 lines and text after was refused ("changed from null to string"), and a field the job
+    does not read can no longer stop the run by changing type."""
+    import pyarrow as pa
     import pyarrow.json as pj
 
-    schema = pa.schema([pa.field(c, pa.string() if pa.types.is_null(inferred.field(c).type) else inferred.field(c).type)
-                        for c in columns])
+    read = pj.ReadOptions(block_size=block)
+    first = pj.open_json(file, read_options=read)
+    inferred = first.schema
+    first.close()
+    names = [c for c, _ in columns]
+    keys = set(inferred.names)
+    if any(c not in keys for c in names):  # a key the first block lacks may come later (null where absent)
+        problem, later = survey(file)
+        if problem is not None:
+            raise InputError(f"{file}: {problem}")
+        keys |= set(later)
+    check(keys)
+    types = {f.name: f.type for f in inferred}
+    schema = pa.schema([pa.field(c, pa.string() if pa.types.is_null(types.get(c, pa.null())) else types[c])
+                        for c in names])
     options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    return ds.dataset(file, format=ds.JsonFileFormat(parse_options=options), schema=schema)
+    yield from pj.open_json(file, read_options=read, parse_options=options)
 
 
-def survey(file: str) -> tuple[Optional[str], set[str]]:
+def _has_rows(file: str) -> bool:
+    """Whether the file holds anything but blank lines (read up to its first such line)."""
+    with _open(file) as fh:
+        return any(line.strip() for line in fh)
+
+
+def _open(file: str):
+    """The file's bytes, decompressed where its suffix names a codec (.gz, .bz2, .zst...), as pyarrow
+    reads them."""
+    import pyarrow as pa
+
+    return io.BufferedReader(pa.input_stream(file, compression="detect"))
+
+
+def survey(file: str) -> tuple[Optional[str], dict[str, set[str]]]:
     """Where a JSON Lines file stops being JSON, by line number (pyarrow counts rows per block), or
-    None; and the keys its objects hold, one object at a time."""
-    keys: set[str] = set()
+    None; and the kinds of value each key holds ("int", "float", "str", "dict"...; "bigint" past
+    64 bits), one object at a time."""
+    kinds: dict[str, set[str]] = {}
     for number, line in _numbered(file):
         try:
             value = json.loads(line)
         except ValueError as exc:
-            return f"line {number}: not valid JSON ({getattr(exc, 'msg', exc)})", keys
+            return f"line {number}: not valid JSON ({getattr(exc, 'msg', exc)})", kinds
         if not isinstance(value, dict):
-            return f"line {number}: not a JSON object", keys
-        keys.update(value)
-    return None, keys
+            return f"line {number}: not a JSON object", kinds
+        for key, v in value.items():
+            kind = type(v).__name__
+            kinds.setdefault(key, set()).add("bigint" if kind == "int" and v not in INT64 else kind)
+    return None, kinds
 
 
 def text_batches(file: str, columns: list[tuple[str, str]], skip: int, batch_rows: int,
-                 keys: Optional[set[str]] = None) -> Iterator:
-    """The job's columns as text, read in Python, where pyarrow refused a column whose values change
-    type (ids 7 and "A-7" in one file; pyarrow types a column from its first values). Ids may be
-    integers or text, the text and system prompt columns text, extra columns anything (numbers as
-    str() writes them, objects and arrays as JSON); anything else is an InputError naming the line.
-    `skip`: rows pyarrow already gave; `keys`: the file's (survey), to name a column no line has
-    before any row goes on (as null ids, say). Later reads of the file are text from its start."""
+                 kinds: Optional[dict[str, set[str]]] = None, check: bool = False) -> Iterator:
+    """The job's columns read in Python, where pyarrow refused a column whose values change type
+    (ids 7 and "A-7" in one file; pyarrow types a column from its first values). Ids may be integers
+    or text, the text and system prompt columns text. An extra column whose values are all integers
+    (or numbers) across the file stays one (`{n:03d}` renders as it does where no column changes
+    type); any other is text (numbers as str() writes them, objects and arrays as JSON). Anything
+    else is an InputError naming the line. `skip`: rows pyarrow already gave; `kinds`: the file's
+    (survey; found again if not given); `check`: name a column no line has before any row goes on
+    (as null ids, say). Later reads of the file are text from its start."""
     import pyarrow as pa
 
-    _AS_TEXT.add(_key(file))
+    if kinds is None:
+        kinds = _AS_TEXT.get(_key(file)) or survey(file)[1]
+    _AS_TEXT[_key(file)] = kinds
     names = [c for c, _ in columns]
-    if keys is not None and (missing := [c for c in names if c not in keys]):
+    if check and (missing := [c for c in names if c not in kinds]):
         raise InputError(f"{file}: column {missing[0]!r} ({dict(columns)[missing[0]]}) not found; "
-                         f"columns are {sorted(keys)}")
+                         f"columns are {sorted(kinds)}")
+    types = {c: _number_type(kinds.get(c, set())) if field == "input.extra_columns" else pa.string()
+             for c, field in columns}
     values: dict[str, list] = {c: [] for c in names}
     for row, (number, line) in enumerate(_numbered(file), 1):
         if row <= skip:
             continue
         obj = json.loads(line)
         for c, field in columns:
-            values[c].append(_text(obj.get(c), f"{file}: line {number}: column {c!r} ({field})", field))
+            value = obj.get(c)
+            values[c].append(value if types[c] != pa.string() else
+                             _text(value, f"{file}: line {number}: column {c!r} ({field})", field))
         if len(values[names[0]]) == batch_rows:
-            yield pa.record_batch([pa.array(values[c], pa.string()) for c in names], names=names)
+            yield pa.record_batch([pa.array(values[c], types[c]) for c in names], names=names)
             values = {c: [] for c in names}
     if values[names[0]]:
-        yield pa.record_batch([pa.array(values[c], pa.string()) for c in names], names=names)
+        yield pa.record_batch([pa.array(values[c], types[c]) for c in names], names=names)
+
+
+def _number_type(kinds: set[str]):
+    """int64 for a column of integers, float64 for one of numbers (as pyarrow types them), else text."""
+    import pyarrow as pa
+
+    held = kinds - {"NoneType"}
+    if held and held <= {"int"}:
+        return pa.int64()
+    if held and held <= {"int", "float"}:
+        return pa.float64()
+    return pa.string()
 
 
 def _numbered(file: str) -> Iterator[tuple[int, bytes]]:
     """(line number, line) of the file's lines that are not blank, as pyarrow skips those."""
-    with open(file, "rb") as fh:
+    with _open(file) as fh:
         for number, line in enumerate(fh, 1):
             if line.strip():
                 yield number, line

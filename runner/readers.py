@@ -121,37 +121,21 @@ class LocalReader(Reader):
             yield from self._dataset_batches(file, fmt, partition, columns)
 
     def _dataset_batches(self, file: str, fmt: str, partition: dict, columns: list[str]):
-        """JSON Lines or CSV through pyarrow.dataset, a batch at a time."""
-        import pyarrow as pa
+        """JSON Lines (json_lines.py) or CSV (pyarrow.dataset), a batch at a time."""
         import pyarrow.dataset as ds
 
         present = [c for c in columns if c not in partition]
         fields = dict(self.spec.columns())
-        as_text = [(c, fields[c]) for c in present]
-        if fmt == "jsonl" and json_lines.read_as_text(file):  # its columns change type: text from the start
-            yield from json_lines.text_batches(file, as_text, 0, self.spec.batch_rows)
-            return
-        given = 0  # rows yielded: where pyarrow stops at a change of type, Python goes on after them
         try:
-            data = ds.dataset(file, format="json" if fmt == "jsonl" else self._csv_format())
-            self._check_columns(file, set(data.schema.names) | set(partition))
             if fmt == "jsonl":
-                data = json_lines.typed_dataset(file, data.schema, present)
-            for batch in data.to_batches(columns=present, batch_size=self.spec.batch_rows):
-                given += batch.num_rows
-                yield batch
-            return
+                yield from json_lines.batches(file, [(c, fields[c]) for c in present], self.spec.batch_rows,
+                                              lambda keys: self._check_columns(file, keys | set(partition)))
+                return
+            data = ds.dataset(file, format=self._csv_format())
+            self._check_columns(file, set(data.schema.names) | set(partition))
+            yield from data.to_batches(columns=present, batch_size=self.spec.batch_rows)
         except PermissionError:
             raise InputError(f"{file}: cannot read input (permission denied)") from None
-        except pa.ArrowInvalid as exc:
-            if fmt != "jsonl":
-                raise
-            problem, keys = json_lines.survey(file)
-            if problem is not None:
-                raise InputError(f"{file}: {problem}") from None
-            if not json_lines.type_change(exc):
-                raise
-        yield from json_lines.text_batches(file, as_text, given, self.spec.batch_rows, keys if given == 0 else None)
 
     def _csv_format(self):
         import pyarrow.dataset as ds

@@ -177,7 +177,8 @@ def test_json_lines_ids_of_numbers_and_text_run_as_text(make_job, tmp_path, monk
 
     skipped = []
     text_batches = json_lines.text_batches
-    monkeypatch.setattr(json_lines, "text_batches", lambda f, c, skip, *a: skipped.append(skip) or text_batches(f, c, skip, *a))
+    monkeypatch.setattr(json_lines, "text_batches",
+                        lambda f, c, skip, *a, **k: skipped.append(skip) or text_batches(f, c, skip, *a, **k))
     for first_change in (1, 40_000):
         lines = [{"id": f"r{i}", "text": "t", "system_prompt": "s", "title": "x"} for i in range(40_010)]
         for i in range(first_change, len(lines), 2):

@@ -1,0 +1,113 @@
+"""JSON Lines files as users hand them over, through the command line: what pyarrow's dataset reader
+read as rows of nulls (a file of one line without a final newline, a first line longer than its
+block), a line longer than pyarrow's blocks, a compressed file whose column changes type, a key the
+first block lacks, a key that is not UTF-8, and an empty file among others."""
+from __future__ import annotations
+
+import gzip
+import json
+import sqlite3
+
+from click.testing import CliRunner
+
+from runner.cli import cli
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def stored(tmp_path, database="out/results.sqlite") -> dict:
+    with sqlite3.connect(tmp_path / database) as con:
+        return dict(con.execute("SELECT row_id, status FROM results"))
+
+
+def row(i, text="t", **more) -> str:
+    return json.dumps({"id": i, "text": text, "system_prompt": "s"} | more) + "\n"
+
+
+def test_rows_pyarrows_dataset_reader_read_as_nulls_run(make_job, tmp_path):
+    """A one-line file without its final newline was one row of nulls ("1 null id"); a first line
+    over pyarrow's 1 MiB block made every row of the file null: with on_bad_row: store the whole
+    file was left out, exit 0."""
+    (tmp_path / "one.jsonl").write_text(row(5).rstrip("\n"))
+    job = make_job(job={"input": {"path": "one.jsonl", "on_bad_row": "store", "on_too_long": "truncate"}})
+    out = invoke("run", "--engine", "fake", "--quiet", job)
+    assert out.exit_code == 0 and stored(tmp_path) == {"5": "ok"}, out.output
+    (tmp_path / "long.jsonl").write_text(row(1, "word " * 220_000) + "".join(row(i) for i in range(2, 6)))
+    out = invoke("run", "--engine", "fake", "--quiet", "--set", "input.path=long.jsonl", "--set", "output.database=long.sqlite", job)
+    assert out.exit_code == 0 and "left out" not in out.output, out.output
+    assert stored(tmp_path, "long.sqlite") == {str(i): "ok" for i in range(1, 6)}
+
+
+def test_a_line_longer_than_pyarrows_blocks_is_read(make_job, tmp_path):
+    """A valid 2.25 MB line was refused as "corrupt or unreadable" data (a straddling object)."""
+    (tmp_path / "docs.jsonl").write_text(row(1) + row(2, "word " * 450_000) + row(3))
+    out = invoke("run", "--engine", "fake", "--quiet", make_job(job={"input": {"path": "docs.jsonl", "on_too_long": "truncate"}}))
+    assert out.exit_code == 0, out.output
+    assert stored(tmp_path) == {"1": "ok", "2": "ok", "3": "ok"}
+
+
+def test_a_compressed_file_whose_ids_change_type_runs(make_job, tmp_path):
+    """Lines were read from the compressed bytes: "line 1: not valid JSON" for a file pyarrow reads."""
+    (tmp_path / "docs.jsonl.gz").write_bytes(gzip.compress((row(7) + row("r8") + row(9)).encode()))
+    job = make_job(job={"input": {"path": "docs.jsonl.gz", "format": "jsonl"}})
+    out = invoke("run", "--engine", "fake", "--quiet", job)
+    assert out.exit_code == 0, out.output
+    assert stored(tmp_path) == {"7": "ok", "r8": "ok", "9": "ok"}
+
+
+def test_a_key_the_first_block_lacks_is_a_column_where_later_lines_hold_it(make_job, tmp_path):
+    """An extra column absent from pyarrow's first block was "not found"; its rows run, the
+    value empty where a line has no such key. A key no line holds is still refused."""
+    lines = [row(i, "x" * 500) if i < 2900 else row(i, "x" * 500, title=f"T{i}") for i in range(3000)]
+    (tmp_path / "docs.jsonl").write_text("".join(lines))
+    job = make_job(job={"input": {"path": "docs.jsonl", "extra_columns": ["title"]},
+                        "prompts": {"user_template": "[{title}] {text}"}})
+    out = invoke("run", "--engine", "fake", "--quiet", job)
+    assert out.exit_code == 0, out.output
+    assert set(stored(tmp_path).values()) == {"ok"} and len(stored(tmp_path)) == 3000
+    out = invoke("validate", "--set", "input.extra_columns=[subtitle]", "--set", "prompts.user_template={subtitle} {text}", job)
+    assert out.exit_code == 3 and "column 'subtitle' (input.extra_columns) not found" in out.output, out.output
+
+
+def test_a_key_that_is_not_utf8_is_one_error_naming_its_line(make_job, tmp_path):
+    """A traceback (UnicodeDecodeError from the column names), even in a column the job does not read."""
+    (tmp_path / "docs.jsonl").write_bytes(row(1).encode() + b'{"id": 2, "text": "b", "system_prompt": "s", "o\xff": 1}\n')
+    out = invoke("validate", make_job(job={"input": {"path": "docs.jsonl"}}))
+    assert out.exit_code == 3 and out.output.startswith("Error: ") and "docs.jsonl: line 2: not valid JSON" in out.output, out.output
+    assert out.output.count("\n") == 1
+
+
+def test_an_empty_json_lines_file_holds_no_rows(make_job, tmp_path):
+    """One empty (or blank) file in a folder stopped the job as "corrupt or unreadable" data."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(row(1) + row(2))
+    (folder / "b.jsonl").write_text("")
+    (folder / "c.jsonl").write_text("\n  \n")
+    (folder / "d.jsonl").write_text(row(3))
+    out = invoke("run", "--engine", "fake", "--quiet", make_job(job={"input": {"path": "in"}}))
+    assert out.exit_code == 0, out.output
+    assert stored(tmp_path) == {"1": "ok", "2": "ok", "3": "ok"}
+
+
+def test_numbers_stay_numbers_where_another_column_changes_type(make_job, tmp_path):
+    """Ids 1 then "r2" made every extra column text: `{n:03d}` failed every row of that file, and
+    of only that file in a folder. Columns of integers (or numbers) across a file stay so; a column
+    that mixes numbers and text is text, as before."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(row(1, n=7, f=2.0) + row(2, n=8, f=3.5))
+    (folder / "b.jsonl").write_text(row(3, n=9, f=2) + row("r4", n=10, f=4.5) + row(5, n=None, f=None))
+    job = make_job(job={"input": {"path": "in", "extra_columns": ["n", "f"]},
+                        "prompts": {"user_template": "{text} n={n:03d} f={f:.1f}"}})
+    out = invoke("run", "--engine", "fake", "--quiet", job)
+    assert out.exit_code == 0, out.output
+    assert stored(tmp_path) == {"1": "ok", "2": "ok", "3": "ok", "r4": "ok", "5": "failed"}  # n=None: no :03d
+    with sqlite3.connect(tmp_path / "out" / "results.sqlite") as con:
+        assert "Unknown format code 'd'" in con.execute("SELECT error FROM results WHERE row_id = '5'").fetchone()[0]
+    (folder / "c.jsonl").write_text(row(6, n=1) + row("r7", n="one"))
+    out = invoke("run", "--engine", "fake", "--quiet", "--set", "prompts.user_template={text} n={n}",
+                 "--set", "input.extra_columns=[n]", "--set", "output.database=c.sqlite", job)
+    assert out.exit_code == 0 and stored(tmp_path, "c.sqlite")["r7"] == "ok", out.output
