@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any, Callable, Iterator, Optional
 
+from runner.blocks import Resumable
 from runner.errors import InputError
 
 # pyarrow's words for a column whose values change type: against the types it inferred itself, and
@@ -36,10 +37,6 @@ def read_as_text(file: str) -> bool:
     return _key(file) in _AS_TEXT
 
 
-BLOCK_BYTES = 1 << 20  # pyarrow's default block; a line that outgrows it is read again in larger ones
-MAX_BLOCK_BYTES = 1 << 30
-
-
 def batches(file: str, columns: list[tuple[str, str]], batch_rows: int,
             check: Callable[[set[str]], None]) -> Iterator:
     """The job's columns of one JSON Lines file (gzip and the like by their suffix), at most
@@ -55,32 +52,20 @@ def batches(file: str, columns: list[tuple[str, str]], batch_rows: int,
         return
     if not _has_rows(file):
         return  # an empty file holds no rows (pyarrow refuses it as an "empty JSON stream")
-    given, block = 0, BLOCK_BYTES  # given: rows yielded, not yielded again by a later attempt
-    while True:
-        seen = 0
-        try:
-            for batch in _typed(file, columns, block, check):
-                for start in range(0, batch.num_rows, batch_rows):
-                    piece = batch.slice(start, batch_rows)
-                    if seen + piece.num_rows > given:
-                        yield piece.slice(max(given - seen, 0))
-                        given = seen + piece.num_rows
-                    seen += piece.num_rows
-            return
-        except pa.ArrowInvalid as exc:
-            if "straddl" in str(exc) and block < MAX_BLOCK_BYTES:  # a line longer than a block
-                block *= 8
-                continue
-            failure: Exception = exc
-        except UnicodeDecodeError as exc:  # a key that is not UTF-8 (pyarrow decodes the names)
-            failure = exc
-        break
+    rows = Resumable()  # its rows given: a read in text goes on after them
+    try:
+        yield from rows.batches(lambda block: _typed(file, columns, block, check), batch_rows)
+        return
+    except pa.ArrowInvalid as exc:
+        failure: Exception = exc
+    except UnicodeDecodeError as exc:  # a key that is not UTF-8 (pyarrow decodes the names)
+        failure = exc
     problem, kinds = survey(file)
     if problem is not None:
         raise InputError(f"{file}: {problem}") from None
     if not type_change(failure):
         raise failure
-    yield from text_batches(file, columns, given, batch_rows, kinds, check=given == 0)
+    yield from text_batches(file, columns, rows.given, batch_rows, kinds, check=rows.given == 0)
 
 
 def _typed(file: str, columns: list[tuple[str, str]], block: int, check: Callable[[set[str]], None]) -> Iterator:

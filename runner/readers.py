@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from runner import json_lines
+from runner.blocks import Resumable
 from runner.errors import InputError
 from runner.spec import InputSpec
 
@@ -131,16 +132,15 @@ class LocalReader(Reader):
                 yield from json_lines.batches(file, [(c, fields[c]) for c in present], self.spec.batch_rows,
                                               lambda keys: self._check_columns(file, keys | set(partition)))
                 return
-            data = ds.dataset(file, format=self._csv_format())
-            self._check_columns(file, set(data.schema.names) | set(partition))
-            yield from data.to_batches(columns=present, batch_size=self.spec.batch_rows)
+
+            def read(block: int):  # CSV in blocks of this size (Resumable grows them for a long row)
+                data = ds.dataset(file, format=ds.CsvFileFormat(**csv_options(self.spec, block)))
+                self._check_columns(file, set(data.schema.names) | set(partition))
+                return data.to_batches(columns=present, batch_size=self.spec.batch_rows)
+
+            yield from Resumable().batches(read, self.spec.batch_rows)
         except PermissionError:
             raise InputError(f"{file}: cannot read input (permission denied)") from None
-
-    def _csv_format(self):
-        import pyarrow.dataset as ds
-
-        return ds.CsvFileFormat(**csv_options(self.spec))
 
     def _fragments(self) -> Iterator[tuple[str, dict]]:
         """(file, hive partition values) for each file, in path order: folders named `key=value`
@@ -176,7 +176,7 @@ class LocalReader(Reader):
                 raise InputError(f"{file}: column {col!r} ({field}) not found; columns are {sorted(names)}")
 
 
-def csv_options(spec: InputSpec) -> dict:
+def csv_options(spec: InputSpec, block_bytes: Optional[int] = None) -> dict:
     """CSV as documents need it, for pyarrow and Ray Data alike: quoted text may span lines, the
     job's text columns stay text (an id 007 is not the number 7), and an empty cell of them is null
     (so on_bad_row sees it); only an empty one: `NA`, `null` or `N/A` is text (Namibia's code, a
@@ -185,8 +185,9 @@ def csv_options(spec: InputSpec) -> dict:
     import pyarrow.csv as pcsv
 
     text = {c: pa.string() for c, _ in spec.columns()}
+    blocks = {} if block_bytes is None else {"read_options": pcsv.ReadOptions(block_size=block_bytes)}
     return dict(parse_options=pcsv.ParseOptions(newlines_in_values=True),
-                convert_options=pcsv.ConvertOptions(column_types=text, strings_can_be_null=True, null_values=[""]))
+                convert_options=pcsv.ConvertOptions(column_types=text, strings_can_be_null=True, null_values=[""]), **blocks)
 
 
 def _with_partition(batch, partition: dict, columns: list[str]):

@@ -37,6 +37,15 @@ def test_csv_keeps_ids_as_written_text_across_lines_and_empty_cells_as_missing(m
         "NA": "ok", "US": "ok"}
 
 
+def test_a_csv_row_longer_than_pyarrows_blocks_is_read(make_job, tmp_path):
+    """A 2.25 MB cell was refused as "corrupt or unreadable csv data" (a straddling object)."""
+    (tmp_path / "docs.csv").write_text('id,text,system_prompt\n1,a,S\n2,"' + "word " * 450_000 + '",S\n3,c,S\n')
+    out = invoke("run", "--engine", "fake", "--quiet", make_job(job={"input": {"path": "docs.csv", "on_too_long": "truncate"}}))
+    assert out.exit_code == 0, out.output
+    rows = dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status FROM results"))
+    assert rows == {"1": "ok", "2": "ok", "3": "ok"}
+
+
 def test_openai_batch_files_as_clients_write_them(make_job, tmp_path):
     lines = [{"custom_id": 5, "body": {"messages": [{"role": "user", "content": ["part one, ", {"type": "text", "text": "two"}]}]}},
              {"custom_id": "b", "body": {"messages": [{"role": "system", "content": "S"}, {"role": "assistant", "content": None},
