@@ -19,6 +19,7 @@ TYPE_CHANGE = ("changed from", "Failed to convert JSON")
 # that a row reads the same wherever pyarrow stopped (`runner run` checks its input, finding the
 # change, before it reads the rows to run).
 _AS_TEXT: dict[tuple, dict[str, set[str]]] = {}
+_SURVEYS: dict[tuple, tuple[Optional[str], dict[str, set[str]]]] = {}  # survey's, by _key
 INT64 = range(-(1 << 63), 1 << 63)
 
 
@@ -52,9 +53,9 @@ def batches(file: str, columns: list[tuple[str, str]], batch_rows: int,
         return
     if not _has_rows(file):
         return  # an empty file holds no rows (pyarrow refuses it as an "empty JSON stream")
-    rows = Resumable()  # its rows given: a read in text goes on after them
+    rows, schema = Resumable(), {}  # rows given (a read in text goes on after them); the types inferred
     try:
-        yield from rows.batches(lambda block: _typed(file, columns, block, check), batch_rows)
+        yield from rows.batches(lambda block: _typed(file, columns, block, check, schema), batch_rows)
         return
     except pa.ArrowInvalid as exc:
         failure: Exception = exc
@@ -63,36 +64,48 @@ def batches(file: str, columns: list[tuple[str, str]], batch_rows: int,
     problem, kinds = survey(file)
     if problem is not None:
         raise InputError(f"{file}: {problem}") from None
+    if isinstance(failure, UnicodeDecodeError):  # one json.loads took (surrogatepass), pyarrow did not
+        raise InputError(f"{file}: a key is not valid UTF-8 ({failure})") from None
     if not type_change(failure):
         raise failure
     yield from text_batches(file, columns, rows.given, batch_rows, kinds, check=rows.given == 0)
 
 
-def _typed(file: str, columns: list[tuple[str, str]], block: int, check: Callable[[set[str]], None]) -> Iterator:
+def _typed(file: str, columns: list[tuple[str, str]], block: int, check: Callable[[set[str]], None],
+           schema: dict) -> Iterator:
     """The job's columns as record batches, each of the type pyarrow inferred from the file's first
-    block, but text where that block held only nulls or lacked the key: a title null on the first
-    10,000 lines and text after was refused ("changed from null to string"), and a field the job
-    does not read can no longer stop the run by changing type."""
+    block, but text where that block held only nulls or lacked the key (a title null on the first
+    10,000 lines and text after was refused: "changed from null to string"; a field the job does
+    not read no longer stops the run by changing type), or held dates: JSON has none, and pyarrow's
+    guess refused ids "2024-05-01" and rendered "2020-01-01" as "2020-01-01 00:00:00". `schema`
+    keeps the types of a first read for a read again in larger blocks, whose first block is larger."""
     import pyarrow as pa
     import pyarrow.json as pj
 
     read = pj.ReadOptions(block_size=block)
-    first = pj.open_json(file, read_options=read)
-    inferred = first.schema
-    first.close()
-    names = [c for c, _ in columns]
-    keys = set(inferred.names)
-    if any(c not in keys for c in names):  # a key the first block lacks may come later (null where absent)
-        problem, later = survey(file)
-        if problem is not None:
-            raise InputError(f"{file}: {problem}")
-        keys |= set(later)
-    check(keys)
-    types = {f.name: f.type for f in inferred}
-    schema = pa.schema([pa.field(c, pa.string() if pa.types.is_null(types.get(c, pa.null())) else types[c])
-                        for c in names])
-    options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    if "types" not in schema:
+        first = pj.open_json(file, read_options=read)
+        inferred = first.schema
+        first.close()
+        names = [c for c, _ in columns]
+        keys = set(inferred.names)
+        if any(c not in keys for c in names):  # a key the first block lacks may come later (null where absent)
+            problem, later = survey(file)
+            if problem is not None:
+                raise InputError(f"{file}: {problem}")
+            keys |= set(later)
+        check(keys)
+        types = {f.name: f.type for f in inferred}
+        schema["types"] = pa.schema([pa.field(c, _as_read(types.get(c, pa.null()))) for c in names])
+    options = pj.ParseOptions(explicit_schema=schema["types"], unexpected_field_behavior="ignore")
     yield from pj.open_json(file, read_options=read, parse_options=options)
+
+
+def _as_read(inferred):
+    """The type a column is read as: pyarrow's guess, but text for a column of nulls or of dates."""
+    import pyarrow as pa
+
+    return pa.string() if pa.types.is_null(inferred) or pa.types.is_temporal(inferred) else inferred
 
 
 def _has_rows(file: str) -> bool:
@@ -112,7 +125,15 @@ def _open(file: str):
 def survey(file: str) -> tuple[Optional[str], dict[str, set[str]]]:
     """Where a JSON Lines file stops being JSON, by line number (pyarrow counts rows per block), or
     None; and the kinds of value each key holds ("int", "float", "str", "dict"...; "bigint" past
-    64 bits), one object at a time."""
+    64 bits), one object at a time. Once per file (by path, size and time) in a process: it parses
+    every line in Python (~18 s a GB), and a command reads its input more than once."""
+    key = _key(file)
+    if key not in _SURVEYS:
+        _SURVEYS[key] = _survey(file)
+    return _SURVEYS[key]
+
+
+def _survey(file: str) -> tuple[Optional[str], dict[str, set[str]]]:
     kinds: dict[str, set[str]] = {}
     for number, line in _numbered(file):
         try:
@@ -185,7 +206,13 @@ def _numbered(file: str) -> Iterator[tuple[int, bytes]]:
 
 
 def _text(value: Any, where: str, field: str) -> Optional[str]:
-    if value is None or isinstance(value, str):
+    if value is None:
+        return value
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # a lone surrogate ("\\ud800") is JSON but not Unicode text
+        except UnicodeEncodeError:
+            raise InputError(f"{where} holds text that is not valid Unicode (a lone surrogate)") from None
         return value
     if field == "input.id_column":
         if isinstance(value, int) and not isinstance(value, bool):

@@ -44,6 +44,11 @@ def test_a_csv_row_longer_than_pyarrows_blocks_is_read(make_job, tmp_path):
     assert out.exit_code == 0, out.output
     rows = dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status FROM results"))
     assert rows == {"1": "ok", "2": "ok", "3": "ok"}
+    # a header longer than a block left pyarrow's first block empty: "Empty CSV file or block"
+    (tmp_path / "wide.csv").write_text("id,text,system_prompt," + "h" * 1_500_000 + "\n4,d,S,x\n")
+    out = invoke("run", "--engine", "fake", "--quiet", "--set", "input.path=wide.csv", "--set", "output.database=w.sqlite",
+                 make_job(job={"input": {"path": "docs.csv", "on_too_long": "truncate"}}))
+    assert out.exit_code == 0, out.output
 
 
 def test_openai_batch_files_as_clients_write_them(make_job, tmp_path):

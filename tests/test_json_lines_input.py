@@ -111,3 +111,25 @@ def test_numbers_stay_numbers_where_another_column_changes_type(make_job, tmp_pa
     out = invoke("run", "--engine", "fake", "--quiet", "--set", "prompts.user_template={text} n={n}",
                  "--set", "input.extra_columns=[n]", "--set", "output.database=c.sqlite", job)
     assert out.exit_code == 0 and stored(tmp_path, "c.sqlite")["r7"] == "ok", out.output
+
+
+def test_dates_are_text_as_written(make_job, tmp_path):
+    """pyarrow guessed timestamps: ids "2024-05-01" were refused ("not timestamp[s]")."""
+    (tmp_path / "docs.jsonl").write_text(row("2024-05-01", "2020-01-01", day="2020-01-01") + row("2024-05-02", day="2021-02-03"))
+    job = make_job(job={"input": {"path": "docs.jsonl", "extra_columns": ["day"]},
+                        "prompts": {"user_template": "{day:.10} {text}"}})
+    out = invoke("run", "--engine", "fake", "--quiet", job)
+    assert out.exit_code == 0, out.output
+    assert stored(tmp_path) == {"2024-05-01": "ok", "2024-05-02": "ok"}
+
+
+def test_text_that_is_not_unicode_is_one_error(make_job, tmp_path):
+    """A key holding a UTF-8-encoded surrogate, and a lone surrogate in a file read in Python,
+    ended in tracebacks."""
+    (tmp_path / "a.jsonl").write_bytes(b'{"id": 1, "text": "a", "system_prompt": "s", "k\xed\xa0\x80": 1}\n')
+    (tmp_path / "b.jsonl").write_text(row(1) + row("x", "a\\ud800").replace("\\\\ud800", "\\ud800"))
+    for name, said in (("a.jsonl", "a key is not valid UTF-8"),
+                       ("b.jsonl", "line 2: column 'text' (input.text_column) holds text that is not valid Unicode")):
+        out = invoke("validate", "--set", f"input.path={name}", make_job())
+        assert out.exit_code == 3 and out.output.startswith("Error: ") and said in out.output, out.output
+        assert out.output.count("\n") == 1
