@@ -12,7 +12,7 @@ from runner.blocks import Resumable
 from runner.errors import InputError
 
 # pyarrow's words for a column whose values change type: against the types it inferred itself, and
-# against those of the file's first block (typed_dataset)
+# against those of the file's first block (_typed's explicit schema)
 TYPE_CHANGE = ("changed from", "Failed to convert JSON")
 # Files found to change type, by (path, size, modification time), with the kinds of value each key
 # holds (survey): read as text from their first row on by every later reader in this process, so
