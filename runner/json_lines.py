@@ -14,11 +14,10 @@ from runner.errors import InputError
 # pyarrow's words for a column whose values change type: against the types it inferred itself, and
 # against those of the file's first block (_typed's explicit schema)
 TYPE_CHANGE = ("changed from", "Failed to convert JSON")
-# Files found to change type, by (path, size, modification time), with the kinds of value each key
-# holds (survey): read as text from their first row on by every later reader in this process, so
-# that a row reads the same wherever pyarrow stopped (`runner run` checks its input, finding the
-# change, before it reads the rows to run).
-_AS_TEXT: dict[tuple, dict[str, set[str]]] = {}
+# Files found to change type, by (path, size, modification time): read as text from their first row
+# on by every later reader in this process, so that a row reads the same wherever pyarrow stopped
+# (`runner run` checks its input, finding the change, before it reads the rows to run).
+_AS_TEXT: set[tuple] = set()
 _SURVEYS: dict[tuple, tuple[Optional[str], dict[str, set[str]]]] = {}  # survey's, by _key
 INT64 = range(-(1 << 63), 1 << 63)
 
@@ -61,14 +60,14 @@ def batches(file: str, columns: list[tuple[str, str]], batch_rows: int,
         failure: Exception = exc
     except UnicodeDecodeError as exc:  # a key that is not UTF-8 (pyarrow decodes the names)
         failure = exc
-    problem, kinds = survey(file)
+    problem, _ = survey(file)
     if problem is not None:
         raise InputError(f"{file}: {problem}") from None
     if isinstance(failure, UnicodeDecodeError):  # one json.loads took (surrogatepass), pyarrow did not
         raise InputError(f"{file}: a key is not valid UTF-8 ({failure})") from None
     if not type_change(failure):
         raise failure
-    yield from text_batches(file, columns, rows.given, batch_rows, kinds, check=rows.given == 0)
+    yield from text_batches(file, columns, rows.given, batch_rows, check=rows.given == 0)
 
 
 def _typed(file: str, columns: list[tuple[str, str]], block: int, check: Callable[[set[str]], None],
@@ -149,26 +148,26 @@ def _survey(file: str) -> tuple[Optional[str], dict[str, set[str]]]:
 
 
 def text_batches(file: str, columns: list[tuple[str, str]], skip: int, batch_rows: int,
-                 kinds: Optional[dict[str, set[str]]] = None, check: bool = False) -> Iterator:
+                 check: bool = False) -> Iterator:
     """The job's columns read in Python, where pyarrow refused a column whose values change type
     (ids 7 and "A-7" in one file; pyarrow types a column from its first values). Ids may be integers
     or text, the text and system prompt columns text. An extra column whose values are all integers
     (or numbers) across the file stays one (`{n:03d}` renders as it does where no column changes
     type); any other is text (numbers as str() writes them, objects and arrays as JSON). Anything
-    else is an InputError naming the line. `skip`: rows pyarrow already gave; `kinds`: the file's
-    (survey; found again if not given); `check`: name a column no line has before any row goes on
-    (as null ids, say). Later reads of the file are text from its start."""
+    else is an InputError naming the line. `skip`: rows pyarrow already gave; `check`: name a column
+    no line has before any row goes on (as null ids, say). Later reads of the file are text from its
+    start."""
     import pyarrow as pa
 
-    if kinds is None:
-        kinds = _AS_TEXT.get(_key(file)) or survey(file)[1]
-    _AS_TEXT[_key(file)] = kinds
+    _AS_TEXT.add(_key(file))
+    kinds = survey(file)[1]  # the kinds of value each key holds over the file (survey keeps them)
     names = [c for c, _ in columns]
     if check and (missing := [c for c in names if c not in kinds]):
         raise InputError(f"{file}: column {missing[0]!r} ({dict(columns)[missing[0]]}) not found; "
                          f"columns are {sorted(kinds)}")
     types = {c: _number_type(kinds.get(c, set())) if field == "input.extra_columns" else pa.string()
              for c, field in columns}
+    numbers = {c for c in names if types[c] != pa.string()}  # taken as they are; the rest through _text
     values: dict[str, list] = {c: [] for c in names}
     for row, (number, line) in enumerate(_numbered(file), 1):
         if row <= skip:
@@ -176,7 +175,7 @@ def text_batches(file: str, columns: list[tuple[str, str]], skip: int, batch_row
         obj = json.loads(line)
         for c, field in columns:
             value = obj.get(c)
-            values[c].append(value if types[c] != pa.string() else
+            values[c].append(value if c in numbers else
                              _text(value, f"{file}: line {number}: column {c!r} ({field})", field))
         if len(values[names[0]]) == batch_rows:
             yield pa.record_batch([pa.array(values[c], types[c]) for c in names], names=names)
