@@ -24,14 +24,23 @@ from runner.spec import InputSpec
 # File name endings of each input format; input.format names one, else the ending decides.
 EXTENSIONS = {"parquet": (".parquet", ".pq"), "jsonl": (".jsonl", ".ndjson", ".json"), "csv": (".csv",),
               "openai-batch": (".jsonl",)}
+# Text formats compressed as a whole file (docs.jsonl.gz): pyarrow reads these codecs by the ending.
+COMPRESSED = (".gz", ".bz2")
+_COMPRESSIBLE = ("jsonl", "csv")
+
+
+def _endings(fmt: str) -> tuple[str, ...]:
+    """The name endings of one format, with its compressed forms."""
+    plain = EXTENSIONS[fmt]
+    return plain + tuple(e + c for e in plain for c in COMPRESSED) if fmt in _COMPRESSIBLE else plain
 
 
 def file_format(file: str, declared: Optional[str]) -> str:
-    """The format a file is read as: input.format, else its name's ending."""
+    """The format a file is read as: input.format, else its name's ending (docs.csv.gz is CSV)."""
     if declared:
         return declared
-    for fmt, endings in EXTENSIONS.items():
-        if file.lower().endswith(endings):
+    for fmt in EXTENSIONS:
+        if file.lower().endswith(_endings(fmt)):
             return fmt
     raise InputError(f"{file}: cannot tell the input format from the name; set input.format "
                      f"({', '.join(EXTENSIONS)})")
@@ -40,7 +49,7 @@ def file_format(file: str, declared: Optional[str]) -> str:
 def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     """The files a job's input path names: a file, a folder (its files of the format, or of any
     known format), or a glob."""
-    endings = EXTENSIONS[declared] if declared else tuple(e for es in EXTENSIONS.values() for e in es)
+    endings = _endings(declared) if declared else tuple(e for fmt in EXTENSIONS for e in _endings(fmt))
     if any(ch in path for ch in "*?["):
         files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
     elif os.path.isdir(path):

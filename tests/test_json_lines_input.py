@@ -133,3 +133,29 @@ def test_text_that_is_not_unicode_is_one_error(make_job, tmp_path):
         out = invoke("validate", "--set", f"input.path={name}", make_job())
         assert out.exit_code == 3 and out.output.startswith("Error: ") and said in out.output, out.output
         assert out.output.count("\n") == 1
+
+
+def test_compressed_files_in_a_folder_or_a_glob_are_found_by_their_ending(make_job, tmp_path):
+    """A nightly feed lands as day-1.jsonl.gz, day-2.jsonl.bz2: a folder or a glob of them was "no
+    input files match", and a single such file needed input.format. CSV alike; a .gz of another
+    format (notes.txt.gz) is still not input."""
+    import bz2
+
+    feed = tmp_path / "feed"
+    feed.mkdir()
+    (feed / "day-1.jsonl.gz").write_bytes(gzip.compress((row(1) + row(2)).encode()))
+    (feed / "day-2.jsonl.bz2").write_bytes(bz2.compress(row(3).encode()))
+    (feed / "notes.txt.gz").write_bytes(gzip.compress(b"not input"))
+    job = make_job(job={"input": {"path": "feed"}})
+    out = invoke("run", "--engine", "fake", "--quiet", job)
+    assert out.exit_code == 0, out.output
+    assert stored(tmp_path) == {"1": "ok", "2": "ok", "3": "ok"}
+    out = invoke("run", "--engine", "fake", "--quiet", "--set", "input.path=feed/*.jsonl.gz",
+                 "--set", "output.database=glob.sqlite", job)
+    assert out.exit_code == 0 and stored(tmp_path, "glob.sqlite") == {"1": "ok", "2": "ok"}, out.output
+    csvs = tmp_path / "csvs"
+    csvs.mkdir()
+    (csvs / "a.csv.gz").write_bytes(gzip.compress(b"id,text,system_prompt\n10,t,s\n11,t,s\n"))
+    out = invoke("run", "--engine", "fake", "--quiet", "--set", "input.path=csvs",
+                 "--set", "output.database=csv.sqlite", job)
+    assert out.exit_code == 0 and stored(tmp_path, "csv.sqlite") == {"10": "ok", "11": "ok"}, out.output

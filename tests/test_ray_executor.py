@@ -180,11 +180,16 @@ def _read_both(job: Path) -> tuple[list, list]:
     return local, ray
 
 
-def test_ray_data_reads_a_csv_as_the_local_reader_does(make_job, tmp_path):
+@pytest.mark.parametrize("name", ["docs.csv", "docs.csv.gz"])
+def test_ray_data_reads_a_csv_as_the_local_reader_does(make_job, tmp_path, name):
     """`executor: ray` read CSV with Ray's defaults: the id 007 became 7 and NA a null id, so the
-    same input stored other ids than a local run (and resumed neither's rows)."""
-    (tmp_path / "docs.csv").write_text('id,text,system_prompt\n007,"first\nsecond",S\nNA,null,S\n9,,S\n')
-    job = make_job(job={"input": {"path": "docs.csv"}, "ray": {"replicas": 1, "cpus_per_replica": 1}})
+    same input stored other ids than a local run (and resumed neither's rows). A gzipped CSV is
+    read decompressed by both."""
+    import gzip
+
+    text = b'id,text,system_prompt\n007,"first\nsecond",S\nNA,null,S\n9,,S\n'
+    (tmp_path / name).write_bytes(gzip.compress(text) if name.endswith(".gz") else text)
+    job = make_job(job={"input": {"path": name}, "ray": {"replicas": 1, "cpus_per_replica": 1}})
     local, ray = _read_both(job)
     assert local == [{"id": "007", "text": "first\nsecond", "system_prompt": "S"},
                      {"id": "NA", "text": "null", "system_prompt": "S"}, {"id": "9", "text": None, "system_prompt": "S"}]
