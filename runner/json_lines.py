@@ -56,6 +56,9 @@ def batches(file: str, columns: list[tuple[str, str]], batch_rows: int,
     try:
         yield from rows.batches(lambda block: _typed(file, columns, block, check, schema), batch_rows)
         return
+    except _NotTheContract:  # before any row: Python reads the ids exactly, or names the line that breaks them
+        yield from text_batches(file, columns, 0, batch_rows)
+        return
     except pa.ArrowInvalid as exc:
         failure: Exception = exc
     except UnicodeDecodeError as exc:  # a key that is not UTF-8 (pyarrow decodes the names)
@@ -96,8 +99,27 @@ def _typed(file: str, columns: list[tuple[str, str]], block: int, check: Callabl
         check(keys)
         types = {f.name: f.type for f in inferred}
         schema["types"] = pa.schema([pa.field(c, _as_read(types.get(c, pa.null()))) for c in names])
+        if not all(_fits(schema["types"].field(c).type, field) for c, field in columns):
+            raise _NotTheContract()
     options = pj.ParseOptions(explicit_schema=schema["types"], unexpected_field_behavior="ignore")
     yield from pj.open_json(file, read_options=read, parse_options=options)
+
+
+class _NotTheContract(Exception):
+    """The first block's types break the row contract: ids pyarrow took for numbers with a fraction
+    (2.5, or an integer past 64 bits, which it reads as a double), text columns of numbers. Read in
+    Python instead (text_batches), where a big integer stays exact and a bad value names its line."""
+
+
+def _fits(read_as, field: str) -> bool:
+    """Whether a job column read as this type can hold what the row contract asks (ids integers
+    or text, the text and system prompt text); extra columns take any type."""
+    import pyarrow as pa
+
+    if field == "input.extra_columns":
+        return True
+    text = pa.types.is_string(read_as) or pa.types.is_large_string(read_as)
+    return text or (field == "input.id_column" and pa.types.is_integer(read_as))
 
 
 def _as_read(inferred):

@@ -159,3 +159,20 @@ def test_compressed_files_in_a_folder_or_a_glob_are_found_by_their_ending(make_j
     out = invoke("run", "--engine", "fake", "--quiet", "--set", "input.path=csvs",
                  "--set", "output.database=csv.sqlite", job)
     assert out.exit_code == 0 and stored(tmp_path, "csv.sqlite") == {"10": "ok", "11": "ok"}, out.output
+
+
+def test_ids_past_64_bits_are_exact_and_a_fractional_id_names_its_line(make_job, tmp_path):
+    """pyarrow reads an integer past 64 bits in the first block as a double: such ids were refused
+    ("must hold integers or text, not double"), and so was an id of 2.5, naming no line."""
+    big = 2**70 + 1  # a double would round it to 2**70
+    (tmp_path / "docs.jsonl").write_text(row(big) + row(2))
+    job = make_job(job={"input": {"path": "docs.jsonl"}})
+    out = invoke("run", "--engine", "fake", "--quiet", job)
+    assert out.exit_code == 0, out.output
+    assert stored(tmp_path) == {str(big): "ok", "2": "ok"}
+    out = invoke("run", "--engine", "fake", job)  # the same ids again: nothing left to do
+    assert out.exit_code == 0 and "0 run, 2 already done, 2 in input" in out.output, out.output
+    (tmp_path / "frac.jsonl").write_text(row(1) + row(2.5) + row(3))
+    out = invoke("validate", "--set", "input.path=frac.jsonl", job)
+    assert out.exit_code == 3 and out.output.count("\n") == 1, out.output
+    assert "frac.jsonl: line 2: column 'id' (input.id_column) holds 2.5" in out.output, out.output
