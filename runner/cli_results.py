@@ -200,7 +200,7 @@ def export(run_id, job, db, overrides, fmt_, output):
     every row, whichever run made it).
 
     Scalar fields become columns named extraction_FIELD; arrays and objects become JSON text in
-    extraction_FIELD_json. Then come run_id, fingerprint, created_at_utc and the model's raw
+    extraction_FIELD_json (a name taken already, as by a field called json, gets _2). Then come run_id, fingerprint, created_at_utc and the model's raw
     output_text.
 
     \b

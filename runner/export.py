@@ -40,7 +40,8 @@ def format_for(output: str, given: Optional[str]) -> str:
 
 def flat_fields(schema: dict) -> dict[str, bool]:
     """Top-level extraction fields -> whether each is a scalar (a plain column) or not (a JSON text column)."""
-    if schema.get("type") != "object":
+    # an object schema; one that gives properties but no type (JSON Schema allows it) is read as one
+    if schema.get("type", "object" if "properties" in schema else None) != "object":
         return {}
     out = {}
     for name, sub in schema.get("properties", {}).items():
@@ -125,8 +126,9 @@ def _schema(fields: dict[str, bool], kinds: dict[str, set[str]]):
             return pa.int64()
         return pa.float64() if k <= {"int", "float"} else pa.string()  # mixed: as text
 
+    names = _column_names(fields)
     return pa.schema([(c, _COLUMN_TYPES.get(c, "string")) for c in EXPORT_COLUMNS]
-                     + [(_col(f, scalar), field_type(f, scalar)) for f, scalar in fields.items()]
+                     + [(names[f], field_type(f, scalar)) for f, scalar in fields.items()]
                      + [(c, _COLUMN_TYPES.get(c, "string")) for c in EXPORT_COLUMNS_ADDED])
 
 
@@ -148,9 +150,9 @@ def _table(rows: list[dict], fields: dict[str, bool], schema):
 
     cols: dict[str, list] = {c: [r[c] for r in rows] for c in EXPORT_COLUMNS + EXPORT_COLUMNS_ADDED}
     values = [_value(r) for r in rows]
-    for f, scalar in fields.items():
-        text = pa.types.is_string(schema.field(_col(f, scalar)).type)
-        cols[_col(f, scalar)] = [_cell(v.get(f), text) for v in values]
+    for f, name in _column_names(fields).items():
+        text = pa.types.is_string(schema.field(name).type)
+        cols[name] = [_cell(v.get(f), text) for v in values]
     try:
         return pa.table({name: pa.array(cols[name], schema.field(name).type) for name in schema.names}, schema=schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):  # a value the first pass did not see
@@ -251,5 +253,18 @@ def _write_all(stream, data: bytes) -> None:
         view = view[n:]
 
 
-def _col(field: str, scalar: bool) -> str:
-    return f"extraction_{field}" if scalar else f"extraction_{field}_json"
+def _column_names(fields: dict[str, bool]) -> dict[str, str]:
+    """Each extraction field's column: extraction_FIELD (a scalar) or extraction_FIELD_json. A name
+    the export already has (a field called `json` is the result's own extraction_json; a field
+    `tags_json` beside an array `tags`) gets _2, _3... in the order of the schema's fields."""
+    taken = set(EXPORT_COLUMNS) | set(EXPORT_COLUMNS_ADDED)
+    names = {}
+    for field, scalar in fields.items():
+        base = f"extraction_{field}" if scalar else f"extraction_{field}_json"
+        name, n = base, 1
+        while name in taken:
+            n += 1
+            name = f"{base}_{n}"
+        names[field] = name
+        taken.add(name)
+    return names

@@ -184,3 +184,21 @@ def test_a_whole_job_export_has_a_column_for_every_version_of_the_schema_that_ma
     assert {"extraction_score", "extraction_priority", "extraction_notes_json", "extraction_tags_json"} <= set(rows["r000"])
     assert rows["r002"]["extraction_priority"] == "1" and rows["r002"]["extraction_notes_json"] == "{}"
     assert rows["r000"]["extraction_priority"] == "" and rows["r004"]["extraction_tags_json"] != ""
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "jsonl"])
+def test_fields_whose_columns_would_share_a_name_each_get_their_own(make_job, tmp_path, fmt):
+    """A field called `json` (extraction_json is the result's own column), or `tags_json` beside an
+    array `tags`, stopped every export with a KeyError traceback. A schema with properties but no
+    "type": "object" had no field columns at all."""
+    schema = {"properties": {"json": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+                             "tags_json": {"type": "string"}}, "required": ["json", "tags", "tags_json"]}
+    job = load_job(make_job(rows=2, schema=schema))
+    run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema, respond=lambda r: json.dumps(
+        {"json": f"j-{r.row_id}", "tags": ["a", "b"], "tags_json": "x"})))
+    got = exported(job.database_path, fmt, tmp_path)
+    rows = got.to_pylist() if fmt == "parquet" else got
+    r = {row["row_id"]: row for row in rows}["r001"]
+    assert json.loads(r["extraction_json"]) == {"json": "j-r001", "tags": ["a", "b"], "tags_json": "x"}
+    assert r["extraction_json_2"] == "j-r001" and r["extraction_tags_json_2"] == "x"
+    assert json.loads(r["extraction_tags_json"]) == ["a", "b"]
