@@ -50,13 +50,15 @@ def _database_here(db: Path, job_name) -> None:
     """NotFound where nothing is at `db` yet (the job has not run); StoreError where something else
     is in the way (a folder, a path through a file), which a run would fail on too."""
     from runner.errors import NotFound, StoreError
-    from runner.store_sqlite import nearest_existing
+    from runner.store_sqlite import nearest_existing, table_names
 
     if db.is_file():
         # An empty file (`touch`ed, or left by a tool) holds no results: reading it must not write
         # a schema into it. (A database in WAL mode is never empty: its header is written first.)
         if db.stat().st_size == 0:
             raise NotFound(f"{db}: an empty file, no results database yet")
+        if table_names(db) == set():  # SQLite, but nothing in it: a read must not give it the schema either
+            raise NotFound(f"{db}: an empty SQLite database, no results yet")
         return
     if db.exists():
         raise StoreError(f"{db}: not a database file")

@@ -31,6 +31,10 @@ _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({
                    f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
                    + ", ".join(f"{c} = excluded.{c}" for c in RESULT_COLUMNS if c not in ("job_name", "row_id")))
 
+_TABLES = ("runs", "results", "run_stats", "run_samples", "calibrations", "fingerprints", "results_history",
+           "verifications", "drafts")
+
+
 class Store(SpeculationRecords, HistoryRecords):
     """One SQLite results database."""
 
@@ -51,8 +55,12 @@ class Store(SpeculationRecords, HistoryRecords):
             meta.reflect(bind=self.engine)
         except (SQLAlchemyError, OSError) as exc:
             raise StoreError(f"{self.path}: cannot open the results database: {short_error(exc)}") from None
-        except StoreError as exc:
-            raise StoreError(f"{self.path}: {exc}") from None
+        except StoreError as exc:  # named here unless the message names the file already
+            raise StoreError(str(exc) if str(exc).startswith(f"{self.path}:") else f"{self.path}: {exc}") from None
+        missing = [t for t in _TABLES if t not in meta.tables]
+        if missing:  # every migration is recorded, yet a table is gone: dropped by hand, or damage
+            raise StoreError(f"{self.path}: the results database is damaged (its table {missing[0]} is missing): "
+                             "restore it from a backup or move it away")
         self.runs = meta.tables["runs"]
         self.results = meta.tables["results"]
         self.run_stats = meta.tables["run_stats"]

@@ -35,6 +35,9 @@ def _damaged(path: Path, exc: BaseException) -> None:
     # sqlite3's own class for SQLITE_CORRUPT and SQLITE_NOTADB; its subclasses (locked, full disk,
     # constraints) are not damage and keep their own handling
     if type(exc) is sqlite3.DatabaseError:
+        if "file is not a database" in str(exc):  # no SQLite header: a job file given as --db, or a torn one
+            raise StoreError(f"{path}: not a SQLite database ({exc}): name the job's results database, or "
+                             "restore this one from a backup")
         raise StoreError(f"{path}: the results database is damaged ({exc}): restore it from a backup or move it away")
 
 
@@ -50,17 +53,23 @@ def refuse_foreign(path: Path) -> None:
 def _foreign_tables(path: Path) -> list[str]:
     """[] for a runner's database, no file, an empty one, or one SQLite cannot read (opening it
     names that)."""
+    names = table_names(path)
+    return [] if not names or names & {"_migrations", "runs"} else sorted(names)
+
+
+def table_names(path: Path) -> Optional[set[str]]:
+    """The tables of the SQLite file at path, read without writing to it; None where there is no
+    file, an empty one, or one SQLite cannot read."""
     if not path.is_file() or path.stat().st_size == 0:
-        return []
+        return None
     try:
         con = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True)
         try:
-            names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         finally:
             con.close()
     except sqlite3.Error:
-        return []
-    return [] if names & {"_migrations", "runs"} else sorted(names)
+        return None
 
 
 class InputCounts(NamedTuple):

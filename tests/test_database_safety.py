@@ -271,3 +271,42 @@ def test_another_programs_sqlite_file_is_refused_and_left_as_it_was(make_job, tm
         assert out.stderr == f"Error: {db}: not a results database of the runner (it holds other tables: invoices): " \
                              "name another file\n"
     assert db.read_bytes() == before and not db.with_name(db.name + "-wal").exists()
+
+
+def test_a_database_missing_one_of_its_tables_is_one_error_line_in_every_command(make_job, tmp_path):
+    """A table dropped by hand (its migration still recorded) was a KeyError traceback in stats,
+    status, export, report and prune."""
+    job = make_job(rows=3)
+    assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
+    db = tmp_path / "out" / "results.sqlite"
+    with sqlite3.connect(db) as con:
+        con.execute("DROP TABLE run_stats")
+    for args in (["stats", "--db", str(db)], ["status", str(job)], ["export", "--job", str(job), "--format", "csv"],
+                 ["report", "1", "--job", str(job)], ["prune", str(job), "--keep-versions", "1", "--dry-run"],
+                 ["run", "--engine", "fake", "--quiet", str(job)]):
+        out = CliRunner().invoke(cli, args)
+        assert out.exit_code == 6, (args, out.output)
+        assert out.stderr == f"Error: {db}: the results database is damaged (its table run_stats is missing): " \
+                             "restore it from a backup or move it away\n", args
+
+
+def test_reading_commands_leave_an_empty_sqlite_database_as_it_was(make_job, tmp_path):
+    """A SQLite file with no tables (made by a tool, or `sqlite3 f.sqlite 'vacuum'`) got the runner's
+    11 tables from stats, status or export, commands that only read: it is "no results yet"."""
+    job = make_job(rows=3)
+    db = tmp_path / "out" / "results.sqlite"
+    db.parent.mkdir()
+    with sqlite3.connect(db) as con:
+        con.execute("CREATE TABLE t (x)")
+        con.execute("DROP TABLE t")
+    before = db.read_bytes()
+    for args in (["stats", "--db", str(db)], ["export", "--job", str(job), "--format", "csv"],
+                 ["export", "--db", str(db), "-o", str(tmp_path / "x.jsonl")]):
+        out = CliRunner().invoke(cli, args)
+        assert out.exit_code != 0 and out.stderr.startswith("Error: ") and len(out.stderr.splitlines()) == 1, (args, out.output)
+        assert db.read_bytes() == before, args
+    out = CliRunner().invoke(cli, ["status", str(job)])  # as for an empty file: nothing stored, all to run
+    assert out.exit_code == 0 and "no rows stored yet" in out.output and "all 3 input rows" in out.output, out.output
+    assert db.read_bytes() == before
+    assert "an empty SQLite database, no results yet" in CliRunner().invoke(cli, ["stats", "--db", str(db)]).stderr
+    assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0  # a run makes it
