@@ -56,8 +56,15 @@ def _check_prompt(spec, reader, scan) -> None:
         return
     try:
         user = builder.user_text(doc)
-    except (KeyError, ValueError, TypeError, IndexError, AttributeError):
-        return  # a row that does not fit the user template is stored failed, not a job error
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
+        # A row that does not fit the user template is stored failed, not a job error (another row's
+        # values may fit): said, so that a template no row fits ({title:zz}) is seen before the night.
+        from runner.cli_output import one_line, warn
+
+        warn(f"Note: the first row (id {doc.row_id!r}) does not fit prompts.user_template "
+             f"({exc.__class__.__name__}: {one_line(str(exc), 200)}): a run stores each such row failed; "
+             "runner plan counts them")
+        return
     builder.prompt_ids(doc.system_prompt, user)
 
 

@@ -87,6 +87,17 @@ def test_a_row_the_system_template_cannot_fill_fails_alone(make_job, tmp_path):
     assert rows["a"] == "ok " and rows["c"] == "ok " and rows["b"].startswith("failed prompt could not be built from prompts.system_template")
 
 
+def test_validate_says_when_the_first_row_does_not_fit_the_user_template(make_job, tmp_path):
+    """validate said only "OK" for {text:zz}, a format spec no row fits; the night's run then stored
+    every row failed. It says so (a row that does not fit is still the row's failure, not the job's)."""
+    job = make_job(rows=3)
+    out = CliRunner().invoke(cli, ["validate", "--set", "prompts.user_template='{text:zz}'", str(job)])
+    assert out.exit_code == 0 and out.stdout.startswith("OK: "), out.output
+    assert out.stderr.startswith("Note: the first row (id 'r000') does not fit prompts.user_template (ValueError: "), out.stderr
+    out = CliRunner().invoke(cli, ["validate", str(job)])
+    assert out.exit_code == 0 and out.stderr == ""
+
+
 def test_validate_renders_a_prompt_so_a_broken_chat_template_is_found_before_the_night(make_job, tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }{% endfor %}")
     job = make_job()
