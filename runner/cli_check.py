@@ -96,7 +96,12 @@ def plan(job, overrides):
     scan = reader.scan()
     try:
         builder = builder_for(spec)
-    except ModelError:  # not prepared yet: estimated from the characters
+    except ModelError:
+        from runner.models import builtin_model_dir
+
+        if spec.model_path.parent != builtin_model_dir().parent:  # a mistyped folder: as validate and run say
+            raise
+        # the builtin model, not prepared yet: estimated from the characters
         builder = CharEstimate(spec.spec.prompts.user_template, [e.model_dump() for e in spec.spec.prompts.examples])
     p = summarize_plan(reader.documents(spec.system_source, scan.skip), builder, spec.block_tokens,
                        prompt_room=spec.engine.max_model_len - spec.spec.sampling.max_tokens)

@@ -33,7 +33,7 @@ def test_validate_reports_rows_and_model(invoke, make_job):
     assert "7 rows in 1 file(s)" in out.output and "[ready]" in out.output
 
 
-def test_plan_prints_groups_and_prefix_bound(invoke, make_job, tmp_path):
+def test_plan_prints_groups_and_prefix_bound(invoke, make_job, tmp_path, monkeypatch):
     out = invoke("plan", make_job(rows=12))
     assert out.exit_code == 0, out.output
     lines = out.output.splitlines()
@@ -42,13 +42,19 @@ def test_plan_prints_groups_and_prefix_bound(invoke, make_job, tmp_path):
     assert "2 groups, 12 rows" in out.output
     share = float(out.output.rsplit(":", 1)[1].strip().rstrip("%"))
     assert 50 < share < 100
-    # a model not prepared yet: the bound is estimated from characters, and says so
-    out = invoke("plan", make_job(rows=12, engine={"model": str(tmp_path / "not-yet")}))
+    # the builtin model not prepared yet: the bound is estimated from characters, and says so
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    from runner.models import builtin_model_dir
+
+    out = invoke("plan", make_job(rows=12, engine={"model": str(builtin_model_dir())}))
     assert out.exit_code == 0, out.output
     last = out.output.splitlines()[-1]
     assert last.endswith("(estimated: model not prepared)")
     estimate = float(last.rsplit(": ~", 1)[1].split("%")[0])
     assert 50 < estimate < 100
+    # a mistyped folder is not "not prepared": plan stops as validate and run do (it printed estimates)
+    out = invoke("plan", make_job(rows=12, engine={"model": str(tmp_path / "modles/tiny")}))
+    assert out.exit_code == 4 and "model folder not found or incomplete: no such folder" in out.output, out.output
 
 
 def test_run_with_fake_engine_then_stats(invoke, make_job, tmp_path):
