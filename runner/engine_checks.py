@@ -47,6 +47,7 @@ def check_engine_settings(engine: EngineConfig, model_path: Path, spec: "JobFile
         raise SpecError(f"{where('max_model_len')}: {why}")
     if spec.executor == "local":  # Ray's replicas run the cluster's vLLM, which may be another version
         _check_sampling_args(spec.sampling.extra_args, where.job_path)
+        _check_engine_args(engine.extra_args, where)
     if spec.sampling.max_tokens >= engine.max_model_len:  # every row would be stored failed, too long
         length = where("max_model_len").removeprefix(f"{where.job_path}: ")  # its file, if not the job's
         raise SpecError(f"{where.job_path}: sampling.max_tokens: {spec.sampling.max_tokens} leaves no room for a "
@@ -66,4 +67,21 @@ def _check_sampling_args(extra_args: dict[str, Any], job_path: Path) -> None:
         close = difflib.get_close_matches(unknown[0], sorted(fields), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise SpecError(f"{job_path}: sampling.extra_args.{unknown[0]}: not a field of vllm.SamplingParams "
+                        f"({vllm_version()}){hint}")
+
+
+def _check_engine_args(extra_args: dict[str, Any], where: EngineSettingSource) -> None:
+    """An engine extra_args key the installed vLLM's LLM(...) does not take: refused now, where it
+    passed validate and plan and stopped the run once vLLM had imported."""
+    import difflib
+
+    from runner.engines.vllm_settings import llm_arg_names, vllm_version
+
+    names = llm_arg_names() if extra_args else None
+    unknown = sorted(set(extra_args) - names) if names else []
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(names), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        field = where("extra_args").split(": ", 1)  # the file, and the field as that file names it
+        raise SpecError(f"{field[0]}: {field[1].split(' (')[0]}.{unknown[0]}: not an argument of vllm.LLM "
                         f"({vllm_version()}){hint}")

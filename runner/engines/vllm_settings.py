@@ -68,19 +68,37 @@ def sampling_fields() -> Optional[frozenset[str]]:
     """The installed vLLM's SamplingParams fields, read from its source without importing vLLM
     (seconds): `validate` refuses an unknown `sampling.extra_args` key as `run` would. None when
     vLLM or the class is not found where expected (the engine then decides, as before)."""
+    names = _class_fields("sampling_params.py", "SamplingParams")
+    return frozenset(n for n in names if not n.startswith("_")) or None if names else None
+
+
+def llm_arg_names() -> Optional[frozenset[str]]:
+    """The keyword arguments the installed vLLM's LLM(...) takes: its own and EngineArgs' fields
+    (where it sends the rest), read from the source without importing vLLM. None where either is
+    not found where expected (the engine then decides)."""
+    engine = _class_fields("engine/arg_utils.py", "EngineArgs")
+    own = _class_fields("entrypoints/llm.py", "LLM", init_args=True)
+    return frozenset(engine | own) - {"self"} if engine and own else None
+
+
+def _class_fields(module: str, name: str, init_args: bool = False) -> Optional[set[str]]:
+    """A class's annotated fields in a file of the installed vLLM (or its __init__'s arguments)."""
     import ast
     import importlib.util
 
     try:
         spec = importlib.util.find_spec("vllm")
-        source = Path(spec.origin).with_name("sampling_params.py") if spec and spec.origin else None
+        source = Path(spec.origin).parent / module if spec and spec.origin else None
         tree = ast.parse(source.read_text(encoding="utf-8")) if source else None
     except (ImportError, OSError, SyntaxError, ValueError):
         return None
     for node in tree.body if tree else []:
-        if isinstance(node, ast.ClassDef) and node.name == "SamplingParams":
-            names = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
-            return frozenset(n for n in names if not n.startswith("_")) or None
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            if not init_args:
+                return {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            for f in node.body:
+                if isinstance(f, ast.FunctionDef) and f.name == "__init__":
+                    return {a.arg for a in f.args.args + f.args.kwonlyargs}
     return None
 
 
