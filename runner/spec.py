@@ -157,12 +157,17 @@ def _sha(text: str) -> str:
 
 def format_validation_error(file: Path, exc: ValidationError) -> str:
     """One line: `FILE: field.path: message` for the first error, with a count of the rest."""
-    errors = exc.errors()
+    import difflib
+
+    # An unknown key first: a misspelt one (id_colum) is why its field is "required" beside it.
+    errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
     loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
-        msg = "unknown key"
+        missing = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == first["loc"][:-1]]
+        close = difflib.get_close_matches(str(first["loc"][-1]), missing, n=1)
+        msg = "unknown key" + (f"; did you mean {close[0]}?" if close else "")
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{file}: {loc}: {msg}{more}"
 

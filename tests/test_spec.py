@@ -38,6 +38,9 @@ def test_real_sample_job_is_valid():
 @pytest.mark.parametrize("mutate, expected", [
     (lambda s: s["input"].update(idcolumn="x"), "job.yaml: input.idcolumn: unknown key"),
     (lambda s: s.update(colour="red"), "job.yaml: colour: unknown key"),
+    # a misspelt required key: the typo named, not only the key it left missing
+    (lambda s: s["input"].update(id_colum=s["input"].pop("id_column")),
+     "job.yaml: input.id_colum: unknown key; did you mean id_column? (and 1 more)"),
     (lambda s: s["input"].pop("text_column"), "job.yaml: input.text_column: Field required"),
     (lambda s: s["sampling"].update(max_tokens="lots"), "job.yaml: sampling.max_tokens: Input should be a valid integer"),
     (lambda s: s["sampling"].update(temperature=-1), "job.yaml: sampling.temperature: Input should be greater than or equal to 0"),
