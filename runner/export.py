@@ -190,15 +190,27 @@ def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Pat
         return
     part = target.with_name(f".{target.name}.part")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:  # a file where a folder of the path should be (job.yaml/x.csv)
+            raise OutputFileError(f"{path}: cannot write: {_file_in_the_way(target.parent)} is a file, "
+                                  "not a folder") from None
         write(part)
         os.replace(part, target)
     except BaseException as exc:  # a full disk, or a failure while the rows are read (the part goes too)
         with contextlib.suppress(OSError):
             part.unlink()
-        if isinstance(exc, OSError):
-            raise OutputFileError(f"{path}: cannot write: {exc.strerror or exc}") from None
+        if isinstance(exc, OSError):  # Arrow's errors name the file it wrote: the part, not what was asked
+            why = str(exc.strerror or exc).replace(str(part), str(path))
+            raise OutputFileError(f"{path}: cannot write: {why}") from None
         raise
+
+
+def _file_in_the_way(folder: Path) -> Path:
+    """The first of folder and its parents that exists: a file where a folder should be."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
 
 
 def _same_database(target: Path, db: Path) -> bool:

@@ -202,3 +202,14 @@ def test_fields_whose_columns_would_share_a_name_each_get_their_own(make_job, tm
     assert json.loads(r["extraction_json"]) == {"json": "j-r001", "tags": ["a", "b"], "tags_json": "x"}
     assert r["extraction_json_2"] == "j-r001" and r["extraction_tags_json_2"] == "x"
     assert json.loads(r["extraction_tags_json"]) == ["a", "b"]
+
+
+def test_an_export_that_cannot_be_written_names_the_file_asked_for_and_why(db, tmp_path):
+    """A file in the path's way said "File exists"; Arrow's errors named the export's hidden part
+    file (.x.parquet.part) instead of the file asked for."""
+    (tmp_path / "job.yaml").write_text("name: t\n")
+    out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "-o", str(tmp_path / "job.yaml" / "x.csv")])
+    assert out.exit_code == 6 and out.stderr == (f"Error: {tmp_path / 'job.yaml' / 'x.csv'}: cannot write: "
+                                                 f"{tmp_path / 'job.yaml'} is a file, not a folder\n"), out.output
+    out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "-o", "/proc/x.parquet"])  # no file can be made there
+    assert out.exit_code == 6 and out.stderr.startswith("Error: /proc/x.parquet: cannot write: ") and ".part" not in out.stderr
