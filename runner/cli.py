@@ -111,7 +111,8 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
     Resumes by default: rows already stored by this version of the job are skipped; rows made by
     another version (changed schema, prompts, sampling, model) run again, the old results kept in
     results_history. vLLM's own output goes to DATABASE.JOB.log beside the results (-v: stderr).
-    Exits 65 when more of the job's rows are not ok than output.max_failed_fraction allows.
+    Exits 65 when more of the input's rows are not ok than output.max_failed_fraction allows (rows
+    stored by earlier runs but no longer in the input do not count).
 
     \b
     Example:
@@ -145,7 +146,7 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
     limit = spec.spec.output.max_failed_fraction
     if summary.failed_fraction > limit:
         bad = sum(summary.job_counts.values()) - summary.job_counts.get("ok", 0)
-        raise TooManyFailed(f"the run completed, but {bad:,} of the job's {sum(summary.job_counts.values()):,} rows "
+        raise TooManyFailed(f"the run completed, but {bad:,} of the input's {sum(summary.job_counts.values()):,} rows "
                             f"({summary.failed_fraction:.1%}) are not ok (output.max_failed_fraction: {limit:.1%}); "
                             f"see: runner status {job}")
 

@@ -71,6 +71,6 @@ class LockedError(RunnerError):
 
 
 class TooManyFailed(RunnerError):
-    """The run completed, but more of the job's rows are not ok than output.max_failed_fraction allows."""
+    """The run completed, but more of the input's rows are not ok than output.max_failed_fraction allows."""
 
     exit_code = 65  # EX_DATAERR: cron sees a failure although every row was stored

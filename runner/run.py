@@ -19,6 +19,7 @@ from runner.engines.calibrate import CalibrationContext, calibrate
 from runner.engines.sequence import EngineSequence
 from runner.engines.speculation import Baseline, passes, setting_key, with_speculative
 from runner.engines.vllm_settings import job_with_grammar
+from runner.errors import SpecError
 from runner.fingerprint import calibration_key, changed_parts, digest, result_fingerprint
 from runner.inputs import InputScan
 from runner.lock import JobLock
@@ -51,6 +52,11 @@ class RunOptions:
     started: Optional[tuple[float, str]] = None
     lock_wait_s: float = 0.0  # set by the run: how long it waited for another run of the job (--wait)
 
+    def __post_init__(self) -> None:
+        if self.restart and self.retry_failed:  # one redoes every row, the other keeps the ok ones
+            raise SpecError("--restart and --retry-failed cannot be used together: --restart runs every row "
+                            "again, --retry-failed only the rows that are not ok")
+
 
 @dataclass
 class Work:
@@ -77,7 +83,7 @@ class RunSummary:
     stats: dict
     rows_redone: int = 0  # stored rows run again: made by another version of the job, or --retry-failed
     redo_reasons: list[str] = field(default_factory=list)  # what changed, e.g. "sampling.max_tokens"
-    job_counts: dict[str, int] = field(default_factory=dict)  # all the job's stored rows by status
+    job_counts: dict[str, int] = field(default_factory=dict)  # the input's stored rows by status
     rows_rejected: int = 0  # input rows left out (on_bad_row: store): null or repeated ids
     input_limit: Optional[int] = None  # input.limit (--limit): rows_input counts the rows taken, not the input's
     rows_documents_cut: int = 0  # rows run with their document cut to fit (input.on_too_long: truncate)
@@ -145,7 +151,7 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     summary.rows_input, summary.rows_skipped, summary.rows_rejected = scan.rows, work.skipped, len(scan.skip)
     summary.input_limit = job.spec.input.limit
     summary.rows_redone, summary.redo_reasons = work.redone, work.reasons
-    summary.job_counts = store.job_status_counts(job.name)
+    summary.job_counts = store.input_status_counts(job.name, scan.ids.path)
     return summary
 
 
@@ -192,12 +198,15 @@ def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[J
 
 
 def _restart(store: Store, job: Job, scan: InputScan) -> tuple[int, str]:
-    """--restart sets the job's stored rows aside: (how many of them are in this run's input, a note)."""
+    """--restart sets the job's stored rows aside: (how many of them are in this run's input, a note).
+    With input.limit (--limit) only the rows this run takes: a smoke run does not undo the rest."""
+    limited = job.spec.input.limit is not None
     stored = store.input_counts(job.name, scan.ids.path, "").stored
-    moved = store.set_aside_results(job.name)
-    rest = f"; {moved - stored:,} of them not in this run's input" + (" (--limit: later runs redo them)"
-                                                                     if job.spec.input.limit else "")
-    return stored, f"--restart set {plural(moved, 'stored row')} aside to results_history" + (rest if moved > stored else "")
+    moved = store.set_aside_results(job.name, only_ids=scan.ids.path if limited else None)
+    note = f"--restart set {plural(moved, 'stored row')} aside to results_history"
+    if limited:
+        return stored, note + " (input.limit: only the rows this run takes)"
+    return stored, note + (f"; {moved - stored:,} of them not in this run's input" if moved > stored else "")
 
 
 def _work(store: Store, job: Job, scan: InputScan, retry_failed: bool) -> Work:

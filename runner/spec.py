@@ -52,7 +52,7 @@ class OutputSpec(Strict):
     database: str
     commit_every_rows: int = Field(default=64, ge=1)
     max_failed_fraction: float = Field(default=0.05, ge=0, le=1, description=(
-        "a run whose job ends with more rows not ok than this exits 65, so that cron notices"))
+        "a run that ends with more of its input's rows not ok than this exits 65, so that cron notices"))
 
 
 class RaySpec(Strict):

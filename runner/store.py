@@ -134,11 +134,21 @@ class Store(SpeculationRecords, HistoryRecords):
         (runner/row_ids.py): no set of a million ids in memory."""
         q = ("SELECT count(*), coalesce(sum(r.fingerprint = ? OR r.fingerprint IS NULL), 0), "
              "coalesce(sum(r.status = 'ok'), 0) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id")
-        # A connection of its own: the ATTACH must not outlive this count in SQLAlchemy's pool.
+        return InputCounts(*self._with_input_ids(ids_file, q, (fingerprint, job_name))[0])
+
+    def input_status_counts(self, job_name: str, ids_file: Path) -> dict[str, int]:
+        """The input's stored rows by status: what output.max_failed_fraction is judged on (rows
+        dropped from the input since an earlier night no longer count)."""
+        q = ("SELECT r.status, count(*) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id "
+             "GROUP BY r.status")
+        return dict(self._with_input_ids(ids_file, q, (job_name,)))
+
+    def _with_input_ids(self, ids_file: Path, query: str, params: tuple) -> list[tuple]:
+        # A connection of its own: the ATTACH must not outlive the query in SQLAlchemy's pool.
         con = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000)
         try:
             con.execute("ATTACH DATABASE ? AS scan", (str(ids_file),))
-            return InputCounts(*con.execute(q, (fingerprint, job_name)).fetchone())
+            return con.execute(query, params).fetchall()
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: {exc}") from None
         finally:
@@ -175,12 +185,6 @@ class Store(SpeculationRecords, HistoryRecords):
             history = conn.execute(select(func.count()).select_from(self.history)
                                    .where(self.history.c.job_name == job_name)).scalar()
         return sorted(out.values(), key=lambda e: e["last_at_utc"], reverse=True) + [{"history_rows": history}]
-
-    def job_status_counts(self, job_name: str) -> dict[str, int]:
-        q = select(self.results.c.status, func.count()).where(self.results.c.job_name == job_name) \
-            .group_by(self.results.c.status)
-        with self.engine.connect() as conn:
-            return {s: n for s, n in conn.execute(q)}
 
     def write_results(self, rows: list[ResultRow], samples: Optional[list[dict[str, Any]]] = None) -> None:
         """Upsert a batch of result rows, and any throughput samples, in one transaction. A row that

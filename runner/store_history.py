@@ -2,9 +2,14 @@
 results_history. A part of Store."""
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+from typing import Optional
+
+from runner.errors import StoreError
 from runner.migrations import utc_now
 from runner.rows import RESULT_COLUMNS, ResultRow
-from runner.store_sqlite import DoneFilter
+from runner.store_sqlite import BUSY_TIMEOUT_MS, DoneFilter
 
 # A job's stored rows into results_history, with when and by which run (NULL: --restart) they were
 # replaced; _archive narrows it to the rows a batch replaces.
@@ -26,13 +31,28 @@ class HistoryRecords:
                 conn.exec_driver_sql(f"{_TO_HISTORY} AND row_id IN ({', '.join('?' * len(part))})",
                                      (now, rows[0].run_id, job, *part))
 
-    def set_aside_results(self, job_name: str) -> int:
-        """`--restart`: move the job's stored rows to results_history (replaced by no run), so that
-        the next run redoes every row and the runs that made them still show and export them.
-        Returns the rows moved."""
-        with self._tx() as conn:
-            conn.exec_driver_sql(_TO_HISTORY, (utc_now(), None, job_name))
-            return conn.execute(self.results.delete().where(self.results.c.job_name == job_name)).rowcount
+    def set_aside_results(self, job_name: str, only_ids: Optional[Path] = None) -> int:
+        """`--restart`: move the job's stored rows (or only those whose ids are in the `only_ids` file,
+        runner/row_ids.py) to results_history, replaced by no run, so that the next run redoes them
+        and the runs that made them still show and export them. Returns the rows moved."""
+        if only_ids is None:
+            with self._tx() as conn:
+                conn.exec_driver_sql(_TO_HISTORY, (utc_now(), None, job_name))
+                return conn.execute(self.results.delete().where(self.results.c.job_name == job_name)).rowcount
+        # A connection of its own: SQLite attaches no file inside a transaction.
+        con = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        try:
+            con.execute("ATTACH DATABASE ? AS scan", (str(only_ids),))
+            con.execute("BEGIN IMMEDIATE")
+            in_ids = " AND row_id IN (SELECT id FROM scan.ids)"
+            con.execute(_TO_HISTORY + in_ids, (utc_now(), None, job_name))
+            moved = con.execute("DELETE FROM results WHERE job_name = ?" + in_ids, (job_name,)).rowcount
+            con.execute("COMMIT")
+            return moved
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: {exc}") from None
+        finally:
+            con.close()  # uncommitted: rolled back
 
     def prune_history(self, job_name: str, keep_versions: int, dry_run: bool = False) -> int:
         """Delete from results_history all but the keep_versions most recently replaced versions of

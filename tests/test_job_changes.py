@@ -119,10 +119,29 @@ def test_too_many_rows_not_ok_exits_65_after_storing_them(make_job, tmp_path):
     job = make_job(rows=6, schema=impossible, job={"output": {"max_failed_fraction": 0.05}})
     out = invoke("run", "--engine", "fake", "--quiet", job)
     assert out.exit_code == 65
-    assert out.output.strip().startswith("Error: the run completed, but 6 of the job's 6 rows (100.0%) are not ok")
+    assert out.output.strip().startswith("Error: the run completed, but 6 of the input's 6 rows (100.0%) are not ok")
     assert rows(tmp_path / "out" / "results.sqlite", "status") == [("schema_mismatch",)] * 6
     edit(job, lambda s: s["output"].update(max_failed_fraction=1.0))
     assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+
+
+def test_failed_rows_no_longer_in_the_input_do_not_count_against_the_failure_limit(make_job, tmp_path):
+    """A nightly input that drops last night's failed rows: tonight's exit code is judged on
+    tonight's input, not on every row the database ever stored."""
+    job = make_job(rows=8, job={"output": {"max_failed_fraction": 0.05}})
+    bad = {"r001", "r004"}
+    broken = lambda j: FakeEngine(SCHEMA, respond=lambda r: "not json" if r.row_id in bad else '{"summary": "s", "sentiment": "neutral"}')  # noqa: E731
+    first = run_job(load_job(job), engine_factory=broken)
+    assert first.failed_fraction == 0.25
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 65  # still in the input: still counted
+    docs = tmp_path / "data" / "docs.parquet"
+    table = pq.read_table(docs)
+    pq.write_table(table.filter(pa.array([i not in bad for i in table["id"].to_pylist()])), docs)
+    out = invoke("run", "--engine", "fake", "--quiet", job)
+    assert out.exit_code == 0, out.output
+    tonight = run_job(load_job(job), engine_factory=broken)
+    assert tonight.job_counts == {"ok": 6} and tonight.failed_fraction == 0
+    assert count(tmp_path / "out" / "results.sqlite", "results") == 8  # the dropped rows stay stored
 
 
 def test_a_completed_run_over_the_failure_limit_exits_65_as_a_process_with_its_rows_stored(make_job, tmp_path):
@@ -132,7 +151,7 @@ def test_a_completed_run_over_the_failure_limit_exits_65_as_a_process_with_its_r
     job = make_job(rows=4, schema=impossible, job={"output": {"max_failed_fraction": 0.05}})
     out = subprocess.run(runner_cmd("run", "--engine", "fake", "--quiet", job), capture_output=True, text=True,
                          timeout=120)
-    assert out.returncode == 65 and out.stderr.startswith("Error: the run completed, but 4 of the job's 4 rows")
+    assert out.returncode == 65 and out.stderr.startswith("Error: the run completed, but 4 of the input's 4 rows")
     db = tmp_path / "out" / "results.sqlite"
     assert rows(db, "status") == [("schema_mismatch",)] * 4
     wal = db.with_name(db.name + "-wal")

@@ -64,7 +64,7 @@ def test_rerun_skips_finished_rows_and_restart_redoes_them(make_job):
 
 
 def test_restart_sets_the_stored_rows_aside_and_their_run_still_shows_them(make_job, tmp_path):
-    """--restart with --limit: the rows it does not redo are not lost with the ones it does."""
+    """--restart with --limit sets aside only the rows it redoes: the rest stay done."""
     from runner.export import export_run
     from runner.store import Store
 
@@ -74,16 +74,17 @@ def test_restart_sets_the_stored_rows_aside_and_their_run_still_shows_them(make_
     redo = run_job(load_job(path, ["input.limit=3"]), engine_factory=lambda j: FakeEngine(j.output_schema),
                    restart=True)
     assert redo.stats["rows_total"] == 3 and redo.rows_redone == 3  # stored before: "rows run again"
-    assert {r["run_id"] for r in results(job).values()} == {redo.run_id} and len(results(job)) == 3
+    made_by = [r["run_id"] for r in results(job).values()]
+    assert made_by.count(redo.run_id) == 3 and made_by.count(first.run_id) == 7  # only the rows it took
     store = Store(job.database_path)
     assert store.result_counts(first.run_id) == ({"ok": 10}, 0)
     out = tmp_path / "first.csv"
     assert export_run(store, first.run_id, "csv", out) == 10
     *groups, history = store.rows_by_fingerprint(job.name)
-    assert history["history_rows"] == 10 and sum(g["rows"] for g in groups) == 3
+    assert history["history_rows"] == 3 and sum(g["rows"] for g in groups) == 10
     assert store.rows_replaced_by(redo.run_id) == 0  # set aside before it ran: it replaced none of them
     again = run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
-    assert again.rows_skipped == 3 and again.stats["rows_total"] == 7  # the rest run again, once each
+    assert again.rows_skipped == 10 and again.stats["rows_total"] == 0  # nothing left undone by the smoke run
 
 
 def test_bad_outputs_are_stored_with_status_and_error(make_job):
@@ -318,9 +319,9 @@ def test_an_engine_that_fails_is_closed_not_let_go(make_job):
     assert sqlite3.connect(job.database_path).execute("SELECT status FROM runs").fetchall() == [("failed",)]
 
 
-def test_restart_with_a_limit_says_how_many_rows_it_set_aside(make_job):
-    """--restart --limit 2 after a whole run: the note names the rows set aside beyond the two it
-    runs (a smoke run does not quietly empty the job's results)."""
+def test_restart_with_a_limit_sets_aside_only_the_rows_it_runs_and_refuses_retry_failed(make_job, tmp_path):
+    """--restart --limit 2 after a whole run: a smoke run does not empty the job's results. --restart
+    with --retry-failed (every row, or only those not ok) is refused before anything is touched."""
     from click.testing import CliRunner
 
     from runner.cli import cli
@@ -329,7 +330,15 @@ def test_restart_with_a_limit_says_how_many_rows_it_set_aside(make_job):
     assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
     out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--restart", "--limit", "2", str(job)])
     assert out.exit_code == 0, out.output
-    assert ("Note: running 2 stored rows again: --restart set 6 stored rows aside to results_history; "
-            "4 of them not in this run's input (--limit: later runs redo them)") in out.stderr
+    assert ("Note: running 2 stored rows again: --restart set 2 stored rows aside to results_history "
+            "(input.limit: only the rows this run takes)") in out.stderr
+    db = tmp_path / "out" / "results.sqlite"
+    count = lambda table: sqlite3.connect(db).execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # noqa: E731
+    assert (count("results"), count("results_history")) == (6, 2)
+    both = CliRunner().invoke(cli, ["run", "--engine", "fake", "--restart", "--retry-failed", str(job)])
+    assert both.exit_code == 2 and both.output == ("Error: --restart and --retry-failed cannot be used together: "
+                                                   "--restart runs every row again, --retry-failed only the rows "
+                                                   "that are not ok\n")
+    assert (count("results"), count("results_history"), count("runs")) == (6, 2, 2)
     out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--restart", str(job)])
-    assert "Note: running 2 stored rows again: --restart set 2 stored rows aside to results_history\n" in out.stderr
+    assert "Note: running 6 stored rows again: --restart set 6 stored rows aside to results_history\n" in out.stderr
