@@ -51,6 +51,27 @@ def test_a_csv_row_longer_than_pyarrows_blocks_is_read(make_job, tmp_path):
     assert out.exit_code == 0, out.output
 
 
+def test_a_csv_cut_off_inside_a_quoted_field_is_refused_before_anything_is_stored(make_job, tmp_path):
+    """pyarrow reads a quote left open at the end of the file as closed there: the last row would be
+    stored ok with its text cut short. A quote inside an unquoted cell (5" screen) is text."""
+    whole = 'id,text,system_prompt\n1,"a 5"" screen",S\n2,"first line\nsecond line",S\n3,a 5" screen,S\n'
+    (tmp_path / "docs.csv").write_text(whole)
+    job = make_job(job={"input": {"path": "docs.csv"}})
+    assert invoke("validate", job).exit_code == 0
+    cut = whole[:whole.index("second line")]  # a copy that stopped inside row 2's quoted text
+    (tmp_path / "docs.csv").write_text(cut)
+    for command in ("validate", "run"):
+        out = invoke(command, job) if command == "validate" else invoke("run", "--engine", "fake", "--quiet", job)
+        assert out.exit_code == 3, out.output
+        assert out.output.strip() == (f"Error: {tmp_path / 'docs.csv'}: the file ends inside a quoted field opened in "
+                                      "the row on line 3: it was cut off, or its quoting is broken")
+    assert not (tmp_path / "out" / "results.sqlite").exists()
+    (tmp_path / "docs.csv").write_text(whole)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    texts = dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status FROM results"))
+    assert texts == {"1": "ok", "2": "ok", "3": "ok"}
+
+
 def test_openai_batch_files_as_clients_write_them(make_job, tmp_path):
     lines = [{"custom_id": 5, "body": {"messages": [{"role": "user", "content": ["part one, ", {"type": "text", "text": "two"}]}]}},
              {"custom_id": "b", "body": {"messages": [{"role": "system", "content": "S"}, {"role": "assistant", "content": None},
