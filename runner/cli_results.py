@@ -30,7 +30,7 @@ def _open_store(job, db, overrides=()):
     if not db:
         raise SpecError("give --job JOB or --db DATABASE")
     _database_here(Path(db), job_name)
-    return Store(db), job_name
+    return Store.for_reading(db), job_name
 
 
 def _run_of(store, run_id: int, job_name) -> dict:

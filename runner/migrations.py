@@ -5,11 +5,14 @@ Column names carry units: *_ms, *_s, *_tokens, *_at_utc, *_json.
 """
 from __future__ import annotations
 
+import sqlite3
 from datetime import datetime, timezone
+from pathlib import Path
 
 from sqlalchemy import Connection, text
 
 from runner.errors import StoreError
+from runner.store_sqlite import read_uri
 
 
 _M001_RUNS = """
@@ -263,3 +266,16 @@ def migrate(conn: Connection) -> list[str]:
                      {"n": fn.__name__, "t": utc_now()})
         applied.append(fn.__name__)
     return applied
+
+
+def pending_migrations(path: Path) -> bool:
+    """Whether the database at path lacks a migration (or cannot be read without writing to it)."""
+    try:
+        con = sqlite3.connect(read_uri(path), uri=True)
+        try:
+            done = {r[0] for r in con.execute("SELECT name FROM _migrations")}
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return True
+    return any(fn.__name__ not in done for fn in MIGRATIONS)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sqlite3
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -20,12 +19,12 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from runner import __version__
 from runner.errors import StoreError
-from runner.migrations import migrate, utc_now
+from runner.migrations import migrate, pending_migrations, utc_now
 from runner.rows import RESULT_COLUMNS, STATUSES, ResultRow, StatsRow
 from runner.store_history import HistoryRecords
+from runner.store_input import InputRecords
 from runner.store_speculation import SpeculationRecords
-from runner.store_sqlite import (BUSY_TIMEOUT_MS, DoneFilter, InputCounts, Transaction, refuse_foreign, short_error,
-                                 sqlite_engine)
+from runner.store_sqlite import DoneFilter, Transaction, refuse_foreign, short_error, sqlite_engine
 
 _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
                    f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
@@ -35,22 +34,26 @@ _TABLES = ("runs", "results", "run_stats", "run_samples", "calibrations", "finge
            "verifications", "drafts")
 
 
-class Store(SpeculationRecords, HistoryRecords):
+class Store(SpeculationRecords, HistoryRecords, InputRecords):
     """One SQLite results database."""
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, read_only: bool = False):
+        """`read_only`: for commands that only read a database whose migrations are all applied
+        (Store.for_reading): it may then sit in a read-only folder."""
         self.path = Path(path)
+        self.read_only = read_only
         refuse_foreign(self.path)  # before the first connection, which would switch it to WAL
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.engine = sqlite_engine(self.path)
-            # One IMMEDIATE transaction takes the write lock first: every migration lands or none
-            # does (a kill or a full disk leaves no half-made schema), and two processes creating
-            # the same file take turns.
-            with self.engine.connect() as conn:
-                conn.execution_options(sqlite_begin="BEGIN IMMEDIATE")
-                with conn.begin():
-                    migrate(conn)
+            self.engine = sqlite_engine(self.path, read_only)
+            if not read_only:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                # One IMMEDIATE transaction takes the write lock first: every migration lands or none
+                # does (a kill or a full disk leaves no half-made schema), and two processes creating
+                # the same file take turns.
+                with self.engine.connect() as conn:
+                    conn.execution_options(sqlite_begin="BEGIN IMMEDIATE")
+                    with conn.begin():
+                        migrate(conn)
             meta = MetaData()
             meta.reflect(bind=self.engine)
         except (SQLAlchemyError, OSError) as exc:
@@ -70,6 +73,16 @@ class Store(SpeculationRecords, HistoryRecords):
         self.history = meta.tables["results_history"]
         self.verifications = meta.tables["verifications"]
         self.drafts = meta.tables["drafts"]
+
+    @classmethod
+    def for_reading(cls, path: Path | str) -> "Store":
+        """A Store for commands that only read. Read-only where the file or its folder cannot be
+        written (a read-only mount, a backup share), unless the file lacks a migration (an older
+        runner's): that is applied where it is, as a run would. Elsewhere a writable Store, whose
+        last connection folds the write-ahead log back into the file and removes it."""
+        path = Path(path)
+        writable = os.access(path.parent, os.W_OK) and os.access(path, os.W_OK)
+        return cls(path, read_only=not writable and not pending_migrations(path))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -127,32 +140,6 @@ class Store(SpeculationRecords, HistoryRecords):
             q = q.where((r.fingerprint == fingerprint) | r.fingerprint.is_(None))
         with self.engine.connect() as conn:
             return set(conn.execute(q).scalars())
-
-    def input_counts(self, job_name: str, ids_file: Path, fingerprint: str) -> InputCounts:
-        """How many of the input's rows are stored: in all, by this version of the job (or before
-        fingerprints), and ok (by any version). One pass, joined on disk with the input's row ids
-        (runner/row_ids.py): no set of a million ids in memory."""
-        q = ("SELECT count(*), coalesce(sum(r.fingerprint = ? OR r.fingerprint IS NULL), 0), "
-             "coalesce(sum(r.status = 'ok'), 0) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id")
-        return InputCounts(*self._with_input_ids(ids_file, q, (fingerprint, job_name))[0])
-
-    def input_status_counts(self, job_name: str, ids_file: Path) -> dict[str, int]:
-        """The input's stored rows by status: what output.max_failed_fraction is judged on (rows
-        dropped from the input since an earlier night no longer count)."""
-        q = ("SELECT r.status, count(*) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id "
-             "GROUP BY r.status")
-        return dict(self._with_input_ids(ids_file, q, (job_name,)))
-
-    def _with_input_ids(self, ids_file: Path, query: str, params: tuple) -> list[tuple]:
-        # A connection of its own: the ATTACH must not outlive the query in SQLAlchemy's pool.
-        con = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000)
-        try:
-            con.execute("ATTACH DATABASE ? AS scan", (str(ids_file),))
-            return con.execute(query, params).fetchall()
-        except sqlite3.Error as exc:
-            raise StoreError(f"{self.path}: {exc}") from None
-        finally:
-            con.close()
 
     def done_filter(self, job_name: str, fingerprint: str, ok_only: bool = False) -> "DoneFilter":
         return DoneFilter(self.path, job_name, fingerprint, ok_only)

@@ -19,11 +19,17 @@ from runner.errors import StoreError
 BUSY_TIMEOUT_MS = 30_000
 
 
-def sqlite_engine(path: Path):
+def sqlite_engine(path: Path, read_only: bool = False):
     """A SQLAlchemy engine on the file, every connection set up by _pragmas, every transaction
-    begun by _begin (BEGIN, or what the connection's `sqlite_begin` option says)."""
-    engine = create_engine(f"sqlite:///{path}")
-    event.listen(engine, "connect", _pragmas)
+    begun by _begin (BEGIN, or what the connection's `sqlite_begin` option says). `read_only`: for
+    commands that only read, through read_uri (a read-only mount, a backup share)."""
+    if read_only:
+        uri = read_uri(path)
+        engine = create_engine(f"sqlite:///{path}", creator=lambda: sqlite3.connect(
+            uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000))
+    else:
+        engine = create_engine(f"sqlite:///{path}")
+    event.listen(engine, "connect", _read_pragmas if read_only else _pragmas)
     event.listen(engine, "begin", _begin)
     event.listen(engine, "handle_error", lambda ctx: _damaged(path, ctx.original_exception))
     return engine
@@ -57,13 +63,37 @@ def _foreign_tables(path: Path) -> list[str]:
     return [] if not names or names & {"_migrations", "runs"} else sorted(names)
 
 
+def read_uri(path: Path) -> str:
+    """The URI that reads the file without writing to it. A database in WAL mode needs its -shm file,
+    which SQLite cannot make in a read-only folder: there it is opened immutable, which is exact
+    only while no write-ahead log holds changes (a closed database has none)."""
+    ro = f"file:{quote(str(path))}?mode=ro"
+    if os.access(path.parent, os.W_OK):
+        return ro
+    try:  # -shm and -wal copied beside it can do
+        con = sqlite3.connect(ro, uri=True)
+        try:
+            con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return ro
+        finally:
+            con.close()
+    except sqlite3.OperationalError:
+        pass
+    wal = path.with_name(path.name + "-wal")
+    if wal.is_file() and wal.stat().st_size:
+        raise StoreError(f"{path}: cannot be read in a read-only folder: its write-ahead log ({wal.name}) holds "
+                         "changes that SQLite reads only where it can write; copy the database with its -wal "
+                         "file to a writable folder")
+    return ro + "&immutable=1"
+
+
 def table_names(path: Path) -> Optional[set[str]]:
     """The tables of the SQLite file at path, read without writing to it; None where there is no
     file, an empty one, or one SQLite cannot read."""
     if not path.is_file() or path.stat().st_size == 0:
         return None
     try:
-        con = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True)
+        con = sqlite3.connect(read_uri(path), uri=True)
         try:
             return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         finally:
@@ -151,6 +181,12 @@ def _pragmas(dbapi_conn, _record) -> None:
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
+
+
+def _read_pragmas(dbapi_conn, _record) -> None:
+    """_pragmas for a read-only connection: nothing that writes (the journal mode is the file's)."""
+    dbapi_conn.isolation_level = None
+    dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
 
 def _wal(cur) -> None:

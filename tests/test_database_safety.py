@@ -310,3 +310,49 @@ def test_reading_commands_leave_an_empty_sqlite_database_as_it_was(make_job, tmp
     assert db.read_bytes() == before
     assert "an empty SQLite database, no results yet" in CliRunner().invoke(cli, ["stats", "--db", str(db)]).stderr
     assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0  # a run makes it
+
+
+def _can_mount_read_only() -> bool:
+    """User and mount namespaces (unshare -rm): a read-only bind mount without privileges."""
+    import shutil
+
+    return bool(shutil.which("unshare")) and subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+
+
+def _on_a_read_only_mount(folder: Path, *args):
+    """`runner ARGS` with `folder` mounted read-only over itself, as a backup share or a container's
+    read-only volume holds a results database."""
+    script = 'mount --bind -o ro "$0" "$0" && exec "$@"'
+    return subprocess.run(["unshare", "-rm", "sh", "-c", script, str(folder), *runner_cmd(*args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(not _can_mount_read_only(), reason="needs unshare -rm (user and mount namespaces)")
+def test_stats_status_and_export_read_a_database_on_a_read_only_mount(make_job, tmp_path):
+    job = make_job(rows=5)
+    assert run_here("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    out = tmp_path / "out"
+    commands = [("stats", "--job", job), ("status", job), ("export", "--job", job, "--format", "jsonl"),
+                ("export", "1", "--db", out / "results.sqlite", "--format", "csv"),
+                ("report", "1", "--job", job, "-o", tmp_path / "report.html")]
+    for args in commands:
+        ro = _on_a_read_only_mount(out, *args)
+        assert ro.returncode == 0 and "Error" not in ro.stderr, (args, ro.stderr)
+        assert ro.stdout == run_here(*args).stdout, args  # what the writable copy shows
+    # A copy taken during a run: changes in its write-ahead log are read with the -shm file beside
+    # it, and named, not read past, without it.
+    con = sqlite3.connect(out / "results.sqlite")
+    con.execute("PRAGMA wal_autocheckpoint=0")
+    con.execute("UPDATE runs SET error = 'in the log'")
+    con.commit()
+    try:
+        with_shm = _on_a_read_only_mount(out, "stats", "--job", job)
+        (out / "results.sqlite-shm").unlink()
+        ro = _on_a_read_only_mount(out, "stats", "--job", job)
+    finally:
+        con.close()
+    assert with_shm.returncode == 0 and "in the log" in with_shm.stdout, with_shm
+    assert ro.returncode == 6 and ro.stdout == "", ro
+    assert ro.stderr == (f"Error: {out / 'results.sqlite'}: cannot be read in a read-only folder: its write-ahead log "
+                         "(results.sqlite-wal) holds changes that SQLite reads only where it can write; copy the "
+                         "database with its -wal file to a writable folder\n")

@@ -1,0 +1,40 @@
+"""The input's rows as the results table holds them: counts joined on disk with the row ids of a
+scan (runner/row_ids.py), so that no set of a million ids sits in memory. A part of Store."""
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from runner.errors import StoreError
+from runner.store_sqlite import BUSY_TIMEOUT_MS, InputCounts, read_uri
+
+
+class InputRecords:
+    """Store's methods that join the results table with an input's row ids."""
+
+    def input_counts(self, job_name: str, ids_file: Path, fingerprint: str) -> InputCounts:
+        """How many of the input's rows are stored: in all, by this version of the job (or before
+        fingerprints), and ok (by any version). One pass, joined on disk with the input's row ids
+        (runner/row_ids.py): no set of a million ids in memory."""
+        q = ("SELECT count(*), coalesce(sum(r.fingerprint = ? OR r.fingerprint IS NULL), 0), "
+             "coalesce(sum(r.status = 'ok'), 0) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id")
+        return InputCounts(*self._with_input_ids(ids_file, q, (fingerprint, job_name))[0])
+
+    def input_status_counts(self, job_name: str, ids_file: Path) -> dict[str, int]:
+        """The input's stored rows by status: what output.max_failed_fraction is judged on (rows
+        dropped from the input since an earlier night no longer count)."""
+        q = ("SELECT r.status, count(*) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id "
+             "GROUP BY r.status")
+        return dict(self._with_input_ids(ids_file, q, (job_name,)))
+
+    def _with_input_ids(self, ids_file: Path, query: str, params: tuple) -> list[tuple]:
+        # A connection of its own: the ATTACH must not outlive the query in SQLAlchemy's pool.
+        con = sqlite3.connect(read_uri(self.path) if self.read_only else str(self.path), uri=self.read_only,
+                              timeout=BUSY_TIMEOUT_MS / 1000)
+        try:
+            con.execute("ATTACH DATABASE ? AS scan", (str(ids_file),))
+            return con.execute(query, params).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: {exc}") from None
+        finally:
+            con.close()
