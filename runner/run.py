@@ -253,9 +253,10 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
         if progress is not None and hasattr(progress, "close"):
             progress.close()
         timing = {"wall_s": clock() - t_start, "before_run_s": t_run - t_start, "wall_from": wall_from}
-        if not completed and sum(collector.counts.values()):
-            # What the stopped run did (its own failure must not hide the one that stopped it). No plan
-            # bound: the plan holds rows built ahead that never ran. Rows run again: those it replaced.
+        if not completed:
+            # What the stopped run did, if only start an engine (its own failure must not hide the one
+            # that stopped it). No plan bound: the plan holds rows built ahead that never ran. Rows
+            # run again: those it replaced.
             with contextlib.suppress(Exception):
                 partial["stats"] = _stats(collector, engines, work, opts, partial.get("choice"), timing,
                                           plan_share=None, redone=store.rows_replaced_by(run_id))

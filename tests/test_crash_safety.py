@@ -383,3 +383,27 @@ def test_a_run_that_fails_midway_stores_what_it_did_and_how_its_engine_was_chose
     replaced = con.execute("SELECT count(*) FROM results_history WHERE replaced_by_run_id = 2").fetchone()[0]
     assert 0 < total < 40 and redone == replaced == total and bound is None
     assert json.loads(choice)["speculative_calibration"]["calibration_id"] >= 1
+
+
+def test_a_run_stopped_before_its_first_row_still_records_how_long_it_ran(make_job):
+    """Stopped while its engine starts (a cron deadline, Ctrl-C): no rows, but its stats row says
+    how long the run went on and that it stored nothing."""
+    from runner.errors import EngineError
+    from runner.run import run_job
+    from runner.spec import load_job
+
+    job = load_job(make_job(rows=4))
+    ticks = iter(range(0, 1000, 10))
+
+    def stopped(j):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_job(job, engine_factory=stopped, clock=lambda: float(next(ticks)))
+    with pytest.raises(EngineError):  # a failed start is kept the same way
+        run_job(job, engine_factory=lambda j: (_ for _ in ()).throw(EngineError("no GPU")), clock=lambda: float(next(ticks)))
+    con = sqlite3.connect(job.database_path)
+    got = con.execute("SELECT r.status, s.rows_total, s.wall_s > 0 FROM runs r JOIN run_stats s ON s.run_id = r.id "
+                      "ORDER BY r.id").fetchall()
+    assert got == [("interrupted", 0, 1), ("failed", 0, 1)]
+    assert count(job.database_path) == 0
