@@ -111,8 +111,8 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
     Resumes by default: rows already stored by this version of the job are skipped; rows made by
     another version (changed schema, prompts, sampling, model) run again, the old results kept in
     results_history. vLLM's own output goes to DATABASE.JOB.log beside the results (-v: stderr).
-    Exits 65 when more of the input's rows are not ok than output.max_failed_fraction allows (rows
-    stored by earlier runs but no longer in the input do not count).
+    Exits 65 when more of the input's rows are not ok (or left out: input.on_bad_row) than
+    output.max_failed_fraction allows; rows stored before but no longer in the input do not count.
 
     \b
     Example:
@@ -145,10 +145,10 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
         say(run_summary(summary))
     limit = spec.spec.output.max_failed_fraction
     if summary.failed_fraction > limit:
-        bad = sum(summary.job_counts.values()) - summary.job_counts.get("ok", 0)
-        raise TooManyFailed(f"the run completed, but {bad:,} of the input's {sum(summary.job_counts.values()):,} rows "
-                            f"({summary.failed_fraction:.1%}) are not ok (output.max_failed_fraction: {limit:.1%}); "
-                            f"see: runner status {job}")
+        left_out = f", {summary.rows_rejected:,} of them left out for null or repeated ids" if summary.rows_rejected else ""
+        raise TooManyFailed(f"the run completed, but {summary.rows_not_ok:,} of the input's {summary.rows_judged:,} rows "
+                            f"({summary.failed_fraction:.1%}{left_out}) are not ok (output.max_failed_fraction: "
+                            f"{limit:.1%}); see: runner status {job}")
 
 
 _finished_run: dict = {}  # set when `runner run` completed: main() may then exit at once

@@ -33,6 +33,7 @@ class InputScan:
     # `skip` holds their row numbers for the reader
     rejected: list[tuple[int, Optional[str], str]] = field(default_factory=list)
     skip: set[int] = field(default_factory=set)
+    cut_by_limit: bool = False  # input.limit stopped the reading before the input's end
 
 
 class NotUtf8(InputError):

@@ -268,8 +268,9 @@ def migrate(conn: Connection) -> list[str]:
     return applied
 
 
-def pending_migrations(path: Path) -> bool:
-    """Whether the database at path lacks a migration (or cannot be read without writing to it)."""
+def pending_migrations(path: Path) -> list[str]:
+    """The migrations the database at path lacks, read without writing to it (none where it cannot
+    be read: opening it then says why)."""
     try:
         con = sqlite3.connect(read_uri(path), uri=True)
         try:
@@ -277,5 +278,5 @@ def pending_migrations(path: Path) -> bool:
         finally:
             con.close()
     except sqlite3.Error:
-        return True
-    return any(fn.__name__ not in done for fn in MIGRATIONS)
+        return []
+    return [fn.__name__ for fn in MIGRATIONS if fn.__name__ not in done]

@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 
 from runner import json_lines
 from runner.blocks import Resumable
+from runner.csv_quotes import refuse_open_quote
 from runner.errors import InputError
 from runner.spec import InputSpec
 
@@ -68,6 +69,8 @@ class Reader:
 
     def __init__(self, input_path: str, spec: InputSpec):
         self.input_path, self.spec = input_path, spec
+        self._scanning = False  # checks that read a file twice run in the scan only
+        self.cut_by_limit = False  # set where input.limit stopped a reading before the input's end
 
     def files(self) -> list[str]:
         return input_files(self.input_path, self.spec.format)
@@ -79,7 +82,13 @@ class Reader:
         """Check every row once (runner/inputs.py): an InputScan, or an InputError."""
         from runner.inputs import scan_input
 
-        return scan_input(self, keep_ids=keep_ids)
+        self._scanning, self.cut_by_limit = True, False
+        try:
+            scan = scan_input(self, keep_ids=keep_ids)
+        finally:
+            self._scanning = False
+        scan.cut_by_limit = self.cut_by_limit
+        return scan
 
     def documents(self, system_prompt, skip: set[int] | frozenset[int] = frozenset()):
         """The rows as Documents, a record batch at a time, without the row numbers in `skip`."""
@@ -100,6 +109,8 @@ class LocalReader(Reader):
             try:
                 for batch in self._file_batches(file, partition, columns):
                     if left is not None:
+                        if left < batch.num_rows:
+                            self.cut_by_limit = True  # rows past the limit: the input goes on
                         if left <= 0:
                             return
                         batch = batch.slice(0, left)
@@ -107,8 +118,6 @@ class LocalReader(Reader):
                     yield file, _with_partition(batch, partition, columns)
             except (OSError, pa.ArrowException) as exc:
                 raise InputError(f"{file}: corrupt or unreadable {file_format(file, self.spec.format)} data ({exc})") from None
-            if left is not None and left <= 0:
-                return
 
     def _file_batches(self, file: str, partition: dict, columns: list[str]):
         fmt = file_format(file, self.spec.format)
@@ -147,8 +156,9 @@ class LocalReader(Reader):
                 self._check_columns(file, set(data.schema.names) | set(partition))
                 return data.to_batches(columns=present, batch_size=self.spec.batch_rows)
 
-            _refuse_open_quote(file)
             yield from Resumable().batches(read, self.spec.batch_rows)
+            if self._scanning:  # read to its end (a limit reached stops before): checked once, by the scan
+                refuse_open_quote(file)
         except PermissionError:
             raise InputError(f"{file}: cannot read input (permission denied)") from None
 
@@ -184,37 +194,6 @@ class LocalReader(Reader):
         for col, field in self.spec.columns():
             if col not in names:
                 raise InputError(f"{file}: column {col!r} ({field}) not found; columns are {sorted(names)}")
-
-
-def _refuse_open_quote(file: str) -> None:
-    """pyarrow reads a CSV file that ends inside a quoted field as if the quote closed there: a file
-    cut off mid-copy would store its last row's text cut short. Quote characters are counted (fast);
-    an odd count is confirmed by Python's csv module, for which a quote inside an unquoted field is
-    text (5" screen), as it is for pyarrow."""
-    import csv
-    import io
-
-    import pyarrow as pa
-
-    quotes = 0
-    with pa.input_stream(file, compression="detect") as f:
-        while chunk := f.read(1 << 24):
-            quotes += chunk.count(b'"')
-    if quotes % 2 == 0:
-        return
-    limit = csv.field_size_limit(1 << 31)  # documents are longer than csv's 128 KiB default
-    try:
-        with pa.input_stream(file, compression="detect") as f:
-            rows = csv.reader(io.TextIOWrapper(f, encoding="utf-8", errors="replace", newline=""), strict=True)
-            start = 1  # the line the row being read starts on
-            for _ in rows:
-                start = rows.line_num + 1
-    except csv.Error as exc:
-        if "unexpected end of data" in str(exc):
-            raise InputError(f"{file}: the file ends inside a quoted field opened in the row on line {start:,}: "
-                             "it was cut off, or its quoting is broken") from None
-    finally:
-        csv.field_size_limit(limit)
 
 
 def csv_options(spec: InputSpec, block_bytes: Optional[int] = None) -> dict:

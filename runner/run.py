@@ -89,9 +89,17 @@ class RunSummary:
     rows_documents_cut: int = 0  # rows run with their document cut to fit (input.on_too_long: truncate)
 
     @property
+    def rows_judged(self) -> int:
+        """The input's rows output.max_failed_fraction is judged on: stored, or left out (on_bad_row: store)."""
+        return sum(self.job_counts.values()) + self.rows_rejected
+
+    @property
+    def rows_not_ok(self) -> int:
+        return self.rows_judged - self.job_counts.get(Status.OK.value, 0)
+
+    @property
     def failed_fraction(self) -> float:
-        total = sum(self.job_counts.values())
-        return (total - self.job_counts.get(Status.OK.value, 0)) / total if total else 0.0
+        return self.rows_not_ok / self.rows_judged if self.rows_judged else 0.0
 
 
 def run_job(job: Job, engine_factory: Callable[[Job], Engine] = build_engine, options: Optional[RunOptions] = None,
@@ -199,8 +207,9 @@ def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[J
 
 def _restart(store: Store, job: Job, scan: InputScan) -> tuple[int, str]:
     """--restart sets the job's stored rows aside: (how many of them are in this run's input, a note).
-    With input.limit (--limit) only the rows this run takes: a smoke run does not undo the rest."""
-    limited = job.spec.input.limit is not None
+    Where input.limit (--limit) cut the input, only the rows this run takes: a smoke run does not
+    undo the rest."""
+    limited = scan.cut_by_limit
     stored = store.input_counts(job.name, scan.ids.path, "").stored
     moved = store.set_aside_results(job.name, only_ids=scan.ids.path if limited else None)
     note = f"--restart set {plural(moved, 'stored row')} aside to results_history"

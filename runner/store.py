@@ -77,12 +77,18 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
     @classmethod
     def for_reading(cls, path: Path | str) -> "Store":
         """A Store for commands that only read. Read-only where the file or its folder cannot be
-        written (a read-only mount, a backup share), unless the file lacks a migration (an older
-        runner's): that is applied where it is, as a run would. Elsewhere a writable Store, whose
-        last connection folds the write-ahead log back into the file and removes it."""
+        written (a read-only mount, a backup share, another user's file); a file that lacks a
+        migration (an older runner's) cannot be read there. Elsewhere a writable Store, which
+        upgrades an older file, and whose last connection folds the write-ahead log into the file."""
         path = Path(path)
-        writable = os.access(path.parent, os.W_OK) and os.access(path, os.W_OK)
-        return cls(path, read_only=not writable and not pending_migrations(path))
+        if os.access(path.parent, os.W_OK) and os.access(path, os.W_OK):
+            return cls(path)
+        pending = pending_migrations(path)
+        if pending:
+            raise StoreError(f"{path}: made by an older runner, it needs its migration {pending[0]} to be read, "
+                             "and this user cannot write it here: copy it to a folder you can write, or run any "
+                             "runner command on it as the user who runs the job")
+        return cls(path, read_only=True)
 
     def close(self) -> None:
         self.engine.dispose()

@@ -64,26 +64,21 @@ def _foreign_tables(path: Path) -> list[str]:
 
 
 def read_uri(path: Path) -> str:
-    """The URI that reads the file without writing to it. A database in WAL mode needs its -shm file,
-    which SQLite cannot make in a read-only folder: there it is opened immutable, which is exact
-    only while no write-ahead log holds changes (a closed database has none)."""
+    """The URI that reads the file and makes nothing beside it. A database in WAL mode is read
+    through its -shm file: where one is there (a run is going on, or a copy kept it), through that;
+    where none is, the file alone holds every change, and is opened immutable: SQLite would
+    otherwise make the -shm and -wal files, which it cannot in a read-only folder, and which,
+    made by another user, stop the owner's next run."""
     ro = f"file:{quote(str(path))}?mode=ro"
-    if os.access(path.parent, os.W_OK):
+    if path.with_name(path.name + "-shm").exists():
         return ro
-    try:  # -shm and -wal copied beside it can do
-        con = sqlite3.connect(ro, uri=True)
-        try:
-            con.execute("SELECT count(*) FROM sqlite_master").fetchone()
-            return ro
-        finally:
-            con.close()
-    except sqlite3.OperationalError:
-        pass
     wal = path.with_name(path.name + "-wal")
     if wal.is_file() and wal.stat().st_size:
-        raise StoreError(f"{path}: cannot be read in a read-only folder: its write-ahead log ({wal.name}) holds "
-                         "changes that SQLite reads only where it can write; copy the database with its -wal "
-                         "file to a writable folder")
+        if os.access(path.parent, os.W_OK) and os.access(path, os.W_OK):
+            return ro  # this user may make the -shm, as its runs do
+        raise StoreError(f"{path}: cannot be read as it is: its write-ahead log ({wal.name}) holds changes that "
+                         f"SQLite reads through a {path.name}-shm file, which is not there; copy the database with "
+                         "its -wal file to a folder you can write, or read it as the user who runs the job")
     return ro + "&immutable=1"
 
 

@@ -177,6 +177,12 @@ def test_on_bad_row_store_records_bad_rows_and_runs_the_rest(make_job, tmp_path)
     assert con.execute("SELECT rows_done, rows_failed FROM run_samples ORDER BY elapsed_s DESC").fetchone() == (4, 2)
     again = CliRunner().invoke(cli, ["run", "--engine", "fake", "--set", "input.on_bad_row=store", str(job)])
     assert again.exit_code == 0 and "4 already done" in again.output, again.output
+    # rows left out count against output.max_failed_fraction as the failed ones do: 5 of 7, not 2 of 4
+    judged = CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", "--set", "input.on_bad_row=store",
+                                      "--set", "output.max_failed_fraction=0.5", str(job)])
+    assert judged.exit_code == 65 and judged.output.startswith(
+        "Error: the run completed, but 5 of the input's 7 rows (71.4%, 3 of them left out for null or repeated ids) "
+        "are not ok (output.max_failed_fraction: 50.0%)"), judged.output
 
 
 def test_the_reports_throughput_counts_rows_generated_not_rows_failed():

@@ -353,6 +353,51 @@ def test_stats_status_and_export_read_a_database_on_a_read_only_mount(make_job, 
         con.close()
     assert with_shm.returncode == 0 and "in the log" in with_shm.stdout, with_shm
     assert ro.returncode == 6 and ro.stdout == "", ro
-    assert ro.stderr == (f"Error: {out / 'results.sqlite'}: cannot be read in a read-only folder: its write-ahead log "
-                         "(results.sqlite-wal) holds changes that SQLite reads only where it can write; copy the "
-                         "database with its -wal file to a writable folder\n")
+    assert ro.stderr == (f"Error: {out / 'results.sqlite'}: cannot be read as it is: its write-ahead log "
+                         "(results.sqlite-wal) holds changes that SQLite reads through a results.sqlite-shm file, "
+                         "which is not there; copy the database with its -wal file to a folder you can write, or "
+                         "read it as the user who runs the job\n")
+
+
+@pytest.mark.skipif(not _can_mount_read_only(), reason="needs unshare -rm (user and mount namespaces)")
+def test_an_older_runners_database_on_a_read_only_mount_names_the_migration_it_lacks(make_job, tmp_path):
+    job = make_job(rows=2)
+    assert run_here("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    db = tmp_path / "out" / "results.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("DELETE FROM _migrations WHERE name = ?", (MIGRATIONS[-1].__name__,))
+    con.commit()
+    con.close()
+    ro = _on_a_read_only_mount(db.parent, "stats", "--db", db)
+    assert ro.returncode == 6 and ro.stderr == (
+        f"Error: {db}: made by an older runner, it needs its migration {MIGRATIONS[-1].__name__} to be read, and this "
+        "user cannot write it here: copy it to a folder you can write, or run any runner command on it as the user "
+        "who runs the job\n"), ro.stderr
+
+
+def test_reading_another_users_database_leaves_nothing_beside_it(make_job, tmp_path):
+    """A database in a shared folder that this user may not write: read without the -shm and -wal
+    files SQLite would make, which, owned by this user, would stop the owner's next run."""
+    import os
+    import shutil
+    import tempfile
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to read as another user")
+    job = make_job(rows=3)
+    assert run_here("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    shared = Path(tempfile.mkdtemp())
+    try:
+        shared.chmod(0o777)
+        db = shared / "results.sqlite"
+        src, dst = sqlite3.connect(tmp_path / "out" / "results.sqlite"), sqlite3.connect(db)
+        src.backup(dst)
+        src.close(), dst.close()
+        db.chmod(0o644)
+        other = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                                *runner_cmd("stats", "--db", db)], capture_output=True, text=True, timeout=120)
+        assert other.returncode == 0, other.stderr
+        assert sorted(os.listdir(shared)) == ["results.sqlite"]
+        assert other.stdout == run_here("stats", "--db", db).stdout
+    finally:
+        shutil.rmtree(shared)

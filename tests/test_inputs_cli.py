@@ -53,23 +53,28 @@ def test_a_csv_row_longer_than_pyarrows_blocks_is_read(make_job, tmp_path):
 
 def test_a_csv_cut_off_inside_a_quoted_field_is_refused_before_anything_is_stored(make_job, tmp_path):
     """pyarrow reads a quote left open at the end of the file as closed there: the last row would be
-    stored ok with its text cut short. A quote inside an unquoted cell (5" screen) is text."""
-    whole = 'id,text,system_prompt\n1,"a 5"" screen",S\n2,"first line\nsecond line",S\n3,a 5" screen,S\n'
-    (tmp_path / "docs.csv").write_text(whole)
+    stored ok with its text cut short. A quote inside an unquoted cell (5" screen) is text, and so is
+    one after a closing quote ("Model "X" review"); neither hides a cut, whatever the count of quotes."""
+    # the text last: the cut row still has every column, which pyarrow would otherwise count
+    header, tail = "id,system_prompt,text\n", '2,S,"first line\nsecond line"\n'
+    firsts = ['1,S,"a 5"" screen"\n', '1,S,a 5" screen\n', '1,S,"Model "X" review"\n']
     job = make_job(job={"input": {"path": "docs.csv"}})
-    assert invoke("validate", job).exit_code == 0
-    cut = whole[:whole.index("second line")]  # a copy that stopped inside row 2's quoted text
-    (tmp_path / "docs.csv").write_text(cut)
-    for command in ("validate", "run"):
-        out = invoke(command, job) if command == "validate" else invoke("run", "--engine", "fake", "--quiet", job)
-        assert out.exit_code == 3, out.output
-        assert out.output.strip() == (f"Error: {tmp_path / 'docs.csv'}: the file ends inside a quoted field opened in "
-                                      "the row on line 3: it was cut off, or its quoting is broken")
-    assert not (tmp_path / "out" / "results.sqlite").exists()
-    (tmp_path / "docs.csv").write_text(whole)
+    for first in firsts:
+        whole = header + first + tail
+        (tmp_path / "docs.csv").write_text(whole)
+        assert invoke("validate", job).exit_code == 0
+        (tmp_path / "docs.csv").write_text(whole[:whole.index("second line")])  # a copy stopped inside row 2
+        for args in (("validate", job), ("run", "--engine", "fake", "--quiet", job), ("run", "--engine", "fake", "--quiet",
+                                                                                       "--limit", "5", job)):
+            out = invoke(*args)
+            assert out.exit_code == 3, (first, args, out.output)
+            assert out.output.strip() == (f"Error: {tmp_path / 'docs.csv'}: the file ends inside a quoted field opened "
+                                          "in the row on line 3: it was cut off, or its quoting is broken")
+        assert not (tmp_path / "out" / "results.sqlite").exists()
+    (tmp_path / "docs.csv").write_text(header + "".join(firsts[1:]).replace("1,", "3,", 1).replace("1,", "4,") + tail)
     assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
     texts = dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status FROM results"))
-    assert texts == {"1": "ok", "2": "ok", "3": "ok"}
+    assert texts == {"2": "ok", "3": "ok", "4": "ok"}
 
 
 def test_openai_batch_files_as_clients_write_them(make_job, tmp_path):

@@ -5,6 +5,7 @@ import json
 import sqlite3
 
 import jsonschema
+import pyarrow.parquet as pq
 import pytest
 
 from runner.engines.base import Completion
@@ -138,7 +139,6 @@ def test_a_retry_budget_stops_at_what_max_model_len_leaves(make_job, tmp_path):
     change its output, is not made."""
     from tests.conftest import write_docs
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     docs = write_docs(tmp_path / "data" / "long.parquet", 2)
     t = pq.read_table(docs).to_pydict()
@@ -181,7 +181,6 @@ def test_too_long_document_fails_or_is_truncated(make_job, tmp_path):
     from tests.conftest import write_docs
 
     docs = write_docs(tmp_path / "data" / "long.parquet", 3)
-    import pyarrow.parquet as pq
     t = pq.read_table(docs).to_pydict()
     t["text"][1] = "word " * 3000
     import pyarrow as pa
@@ -342,3 +341,9 @@ def test_restart_with_a_limit_sets_aside_only_the_rows_it_runs_and_refuses_retry
     assert (count("results"), count("results_history"), count("runs")) == (6, 2, 2)
     out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--restart", str(job)])
     assert "Note: running 6 stored rows again: --restart set 6 stored rows aside to results_history\n" in out.stderr
+    # a limit the input does not reach (a cap kept in the job) cuts nothing: --restart is whole
+    docs = tmp_path / "data" / "docs.parquet"
+    pq.write_table(pq.read_table(docs).slice(0, 4), docs)
+    out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--restart", "--limit", "100", str(job)])
+    assert ("Note: running 4 stored rows again: --restart set 6 stored rows aside to results_history; 2 of them not "
+            "in this run's input\n") in out.stderr
