@@ -30,6 +30,7 @@ from runner.rows import StatsRow, Status
 from runner.signals import Interrupted, sigterm_interrupts
 from runner.spec import Job
 from runner.store import DoneFilter, Store
+from runner.store_sqlite import InputCounts
 from runner.summary import plural
 
 
@@ -138,7 +139,8 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
         opts.on_input_ok()
     store.mark_abandoned_runs(job.name)  # first: a killed run ended at its last stored row, set aside below
     restarted = _restart(store, job, scan) if opts.restart else None
-    work = _work(store, job, scan, opts.retry_failed)  # the fingerprint has the backend as configured
+    # the fingerprint has the backend as configured; after --restart no row of the input is stored
+    work = _work(store, job, scan, opts.retry_failed, counted=InputCounts(0, 0, 0) if restarted else None)
     if restarted:  # the input's rows stored before: run again, as by a changed job
         work.redone += restarted[0]
     try:
@@ -218,11 +220,12 @@ def _restart(store: Store, job: Job, scan: InputScan) -> tuple[int, str]:
     return stored, note + (f"; {moved - stored:,} of them not in this run's input" if moved > stored else "")
 
 
-def _work(store: Store, job: Job, scan: InputScan, retry_failed: bool) -> Work:
-    """Count what the run will do against what is stored, on disk (bounded memory at any size)."""
+def _work(store: Store, job: Job, scan: InputScan, retry_failed: bool, counted: Optional[InputCounts] = None) -> Work:
+    """Count what the run will do against what is stored, on disk (bounded memory at any size);
+    `counted`: the counts where they are known without asking (the input once counted is enough)."""
     fingerprint, components = result_fingerprint(job)
     store.register_fingerprint(job.name, fingerprint, components)
-    counts = store.input_counts(job.name, scan.ids.path, fingerprint)
+    counts = counted or store.input_counts(job.name, scan.ids.path, fingerprint)
     skipped = counts.kept(retry_failed)
     redone = counts.stored - skipped
     reasons: set[str] = set()
