@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import html
 import json
+from array import array
 from collections import defaultdict
-from statistics import mean
+from typing import Sequence
 
 from runner.engines import describe_settings
 from runner.errors import NotFound
@@ -57,7 +58,7 @@ def line_chart(xs: list[float], ys: list[float], x_label: str, y_label: str) -> 
             f'<text x="{_W - _PAD}" y="{_H - _PAD + 14}" font-size="11" text-anchor="end">{x1:.0f}</text></svg>')
 
 
-def histogram(values: list[int], bins: int = 12) -> str:
+def histogram(values: Sequence[int], bins: int = 12) -> str:
     if not values:
         return "<p>No data.</p>"
     lo, hi = min(values), max(values)
@@ -69,29 +70,37 @@ def histogram(values: list[int], bins: int = 12) -> str:
     return bar_chart(labels, counts, fmt=lambda v: f"{v:.0f}")
 
 
+_COLUMNS = ("status", "group_key", "prompt_tokens", "cached_prompt_tokens", "latency_ms", "completion_tokens")
+
+
 def render_report(store: Store, run_id: int) -> str:
     """The report page of one run, as an HTML string."""
     run = store.run(run_id)
     if run is None:
         raise NotFound(f"{store.path}: no run {run_id}")
     stats = store.stats(run_id) or {}
-    rows = list(store.results_of(run_id))
     by_status: dict[str, int] = defaultdict(int)
-    groups: dict[str, dict] = defaultdict(lambda: {"rows": 0, "prompt": 0, "cached": 0, "latency": []})
-    for r in rows:
+    groups: dict[str, dict] = defaultdict(lambda: {"rows": 0, "prompt": 0, "cached": 0, "latency_ms": 0.0,
+                                                   "max_latency_ms": 0.0})
+    # A row at a time, its numbers only: a million rows' outputs never sit in memory
+    prompt_tokens, completion_tokens = array("q"), array("q")
+    for r in store.results_of(run_id, columns=_COLUMNS):
         by_status[r["status"]] += 1
         g = groups[r["group_key"]]
         g["rows"] += 1
         g["prompt"] += r["prompt_tokens"]
         g["cached"] += r["cached_prompt_tokens"]
-        g["latency"].append(r["latency_ms"])
+        g["latency_ms"] += r["latency_ms"]
+        g["max_latency_ms"] = max(g["max_latency_ms"], r["latency_ms"])
+        prompt_tokens.append(r["prompt_tokens"])
+        completion_tokens.append(r["completion_tokens"])
     counted, gone = store.result_counts(run_id)
     if gone:  # rows by status as the run counted them; the other charts show the rows still stored
         by_status = defaultdict(int, counted)
     body = [_summary(run, stats, by_status, gone), _throughput(store.samples(run_id)), _groups(groups, by_status),
             f'<section id="tokens"><h2>Token counts</h2><h3>Prompt tokens per row</h3>'
-            f'{histogram([r["prompt_tokens"] for r in rows])}'
-            f'<h3>Completion tokens per row</h3>{histogram([r["completion_tokens"] for r in rows])}</section>']
+            f'{histogram(prompt_tokens)}'
+            f'<h3>Completion tokens per row</h3>{histogram(completion_tokens)}</section>']
     style = ("body{font-family:sans-serif;margin:2em;max-width:760px}th{text-align:left;padding-right:1em}"
              "section{margin-bottom:2em}td{padding-right:1em}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>runner report: run {run_id}</title>"
@@ -134,10 +143,11 @@ def _groups(groups: dict[str, dict], by_status: dict[str, int]) -> str:
     """Prefix-cache hits by group, rows by status, the slowest groups."""
     keys = sorted(groups, key=lambda k: -groups[k]["rows"])
     hit = [groups[k]["cached"] / groups[k]["prompt"] if groups[k]["prompt"] else 0 for k in keys]
-    slow = sorted(keys, key=lambda k: -mean(groups[k]["latency"]))[:10]
+    mean_ms = {k: groups[k]["latency_ms"] / groups[k]["rows"] for k in keys}
+    slow = sorted(keys, key=lambda k: -mean_ms[k])[:10]
     slow_rows = "".join(
-        f"<tr><td>{_esc(k)}</td><td>{groups[k]['rows']}</td><td>{mean(groups[k]['latency']):.0f}</td>"
-        f"<td>{max(groups[k]['latency']):.0f}</td></tr>" for k in slow)
+        f"<tr><td>{_esc(k)}</td><td>{groups[k]['rows']}</td><td>{mean_ms[k]:.0f}</td>"
+        f"<td>{groups[k]['max_latency_ms']:.0f}</td></tr>" for k in slow)
     statuses = sorted(by_status, key=lambda s: -by_status[s])
     return (f'<section id="prefix-cache"><h2>Prefix-cache hit rate by group</h2>'
             f'{bar_chart(keys, hit, fmt=lambda v: f"{100 * v:.1f}%")}</section>'

@@ -11,7 +11,7 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from sqlalchemy import MetaData, func, select, union_all, update
 from sqlalchemy.dialects.sqlite import insert
@@ -271,15 +271,17 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
             return [dict(r) for r in conn.execute(select(self.runs).where(self.runs.c.id.in_(made))
                                                   .order_by(self.runs.c.id.desc())).mappings()]
 
-    def results_of(self, run_id: Optional[int] = None, job_name: Optional[str] = None) -> Iterable[dict]:
+    def results_of(self, run_id: Optional[int] = None, job_name: Optional[str] = None,
+                   columns: Optional[Sequence[str]] = None) -> Iterable[dict]:
         """A run's results, those a later run replaced included (from results_history), or a job's
-        (its latest result for each row, whichever run made it)."""
+        (its latest result for each row, whichever run made it), one at a time; `columns`: only these."""
+        names = ["id", *(c for c in columns if c != "id")] if columns else list(self.results.c.keys())
         if job_name is not None:
-            q = select(self.results).where(self.results.c.job_name == job_name).order_by(self.results.c.id)
+            q = select(*[self.results.c[c] for c in names]).where(self.results.c.job_name == job_name) \
+                .order_by(self.results.c.id)
         else:  # in the order the run stored them: a replaced row keeps its id in results_history
-            cols = [self.results.c[c] for c in self.results.c.keys()]
-            q = union_all(select(*cols).where(self.results.c.run_id == run_id),
-                          select(*[self.history.c[c] for c in self.results.c.keys()]).where(self.history.c.run_id == run_id))
+            q = union_all(select(*[self.results.c[c] for c in names]).where(self.results.c.run_id == run_id),
+                          select(*[self.history.c[c] for c in names]).where(self.history.c.run_id == run_id))
             q = q.order_by(q.selected_columns.id)
         with self.engine.connect() as conn:
             for r in conn.execute(q).mappings():
