@@ -18,15 +18,20 @@ from runner.cli_output import one_line, run_summary, say, warn
 from runner.process_clock import note_process_start, take_start
 from runner.scratch import remove_scratch
 from runner.errors import OutputClosed, RunnerError
+from runner.signals import RUN_STOPPED, sigterm_interrupts
 
 
 def reports_errors(fn):
     """Turn the runner's own errors into one `Error: ...` line and the error's exit code."""
 
+    # What a stop leaves: a run its finished rows; the other commands write whole files or nothing
+    after = RUN_STOPPED if fn.__name__ == "run" else ""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with sigterm_interrupts(after):  # SIGTERM: one Error: line and exit 130, and a file half-written goes
+                return fn(*args, **kwargs)
         except (OutputClosed, BrokenPipeError):  # `runner stats | head -1`: the reader stopped reading
             # Nothing more can go to standard output: point it at /dev/null so that the
             # interpreter's last flush does not fail too, and leave without a message.
@@ -36,7 +41,7 @@ def reports_errors(fn):
             warn(f"Error: {one_line(str(exc))}")
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
-            warn("Error: interrupted; finished rows are stored, rerun to resume")
+            warn("Error: interrupted" + (f"; {after}" if after else ""))
             sys.exit(130)
 
     return wrapper

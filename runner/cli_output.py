@@ -1,15 +1,30 @@
 """How the command line shows things: one formatter per thing, shared by every command."""
 from __future__ import annotations
 
+import errno
+
 import click
 
 from runner.console import console
+from runner.errors import OutputClosed, OutputFileError, RunnerError
 from runner.summary import stats_lines
 
 
-def say(message: str = "") -> None:
-    """A line of the runner's own output (reaches the terminal while the engine's goes to its log)."""
-    click.echo(message, file=console().out)
+def say(message: str = "", nl: bool = True) -> None:
+    """A line of the runner's own output (reaches the terminal while the engine's goes to its log).
+    Standard output that cannot be written (a full disk, /dev/full) is the runner's error, and one
+    whose reader stopped reading (`| head`) is OutputClosed: no traceback."""
+    try:
+        click.echo(message, file=console().out, nl=nl)
+    except OSError as exc:
+        raise stdout_error(exc) from None
+
+
+def stdout_error(exc: OSError) -> RunnerError:
+    """The runner's error for a write to standard output that failed."""
+    if isinstance(exc, BrokenPipeError) or exc.errno == errno.EPIPE:
+        return OutputClosed("standard output was closed by its reader")
+    return OutputFileError(f"standard output: cannot write: {exc.strerror or exc}")
 
 
 def warn(message: str) -> None:

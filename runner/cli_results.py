@@ -108,11 +108,11 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
             raise NotFound(f"{store.path}: no runs yet" + ("" if with_idle else " that ran rows (--with-idle: all)"))
     except NotFound:
         if as_json and run_id is None:  # for monitoring: a job that has not run has no runs, not an error
-            click.echo("[]")
+            say("[]")
             return
         raise
     if as_json:
-        click.echo(json.dumps([_run_json(store, r) for r in runs], indent=1, default=str))
+        say(json.dumps([_run_json(store, r) for r in runs], indent=1, default=str))
         return
     for r in runs:
         s = store.stats(r["id"]) or {}
@@ -182,7 +182,7 @@ def report(run_id, job, db, overrides, output):
     _run_of(store, run_id, job_name)
     html = render_report(store, run_id)
     if output == "-":
-        click.echo(html, nl=False)
+        say(html, nl=False)
         return
     _write_text(Path(output), html, reading=store.path)
     say(f"Report: {output}")

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.engine_config import EngineConfig
+from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.errors import SpecError
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ def check_engine_settings(engine: EngineConfig, model_path: Path, spec: "JobFile
     if spec.executor == "local":  # Ray's replicas run the cluster's vLLM, which may be another version
         _check_sampling_args(spec.sampling.extra_args, where.job_path)
         _check_engine_args(engine.extra_args, where)
+        _check_speculative_keys(engine, where)
     if spec.sampling.max_tokens >= engine.max_model_len:  # every row would be stored failed, too long
         length = where("max_model_len").removeprefix(f"{where.job_path}: ")  # its file, if not the job's
         raise SpecError(f"{where.job_path}: sampling.max_tokens: {spec.sampling.max_tokens} leaves no room for a "
@@ -85,3 +86,26 @@ def _check_engine_args(extra_args: dict[str, Any], where: EngineSettingSource) -
         field = where("extra_args").split(": ", 1)  # the file, and the field as that file names it
         raise SpecError(f"{field[0]}: {field[1].split(' (')[0]}.{unknown[0]}: not an argument of vllm.LLM "
                         f"({vllm_version()}){hint}")
+
+
+def _check_speculative_keys(engine: EngineConfig, where: EngineSettingSource) -> None:
+    """A key of a speculative setting (passed through to vLLM's speculative_config) that the
+    installed vLLM's SpeculativeConfig does not have: refused now, not once the engine starts."""
+    import difflib
+
+    from runner.engines.vllm_settings import speculative_fields, vllm_version
+
+    cal = engine.calibration
+    fixed = engine.speculative if isinstance(engine.speculative, SpeculativeSpec) else None  # not auto or off
+    given = [("speculative", k) for k in ((fixed.model_extra or {}) if fixed else {})]
+    given += [("calibration.ngram", k) for k in cal.ngram]
+    given += [(f"calibration.candidates[{i}].options", k) for i, c in enumerate(cal.candidates or []) for k in c.options]
+    fields = speculative_fields() if given else None
+    unknown = [(at, k) for at, k in given if k not in fields] if fields else []
+    if unknown:
+        at, key = unknown[0]
+        close = difflib.get_close_matches(key, sorted(fields), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        field = where(at.split(".")[0].split("[")[0]).split(": ", 1)  # the file, and the field as that file names it
+        raise SpecError(f"{field[0]}: {field[1].split(' (')[0]}{at[len(at.split('.')[0].split('[')[0]):]}.{key}: "
+                        f"not a key of vLLM's speculative_config ({vllm_version()}){hint}")

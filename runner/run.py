@@ -1,7 +1,7 @@
 """Running a job: job spec → plan (groups, order) → engine → checked results → store.
 
-Orchestration only: the lock, what is left to do (resume), the engines, signals and the run's
-record. Requests are built in runner/requests.py, finished rows handled in runner/collect.py,
+Orchestration only: the lock, the engines, signals and the run's record. What is left to do
+(resume) is decided in runner/resume.py, requests are built in runner/requests.py, finished rows handled in runner/collect.py,
 engines started in runner/engines/sequence.py and calibrated in runner/engines/calibrate.py.
 Results are committed every `output.commit_every_rows` rows; a kill loses at most that batch.
 """
@@ -20,7 +20,7 @@ from runner.engines.sequence import EngineSequence
 from runner.engines.speculation import Baseline, passes, setting_key, with_speculative
 from runner.engines.vllm_settings import job_with_grammar
 from runner.errors import SpecError
-from runner.fingerprint import calibration_key, changed_parts, digest, result_fingerprint
+from runner.fingerprint import calibration_key, digest
 from runner.inputs import InputScan
 from runner.lock import JobLock
 from runner.prompting import PromptBuilder, builder_for
@@ -29,7 +29,8 @@ from runner.requests import RequestBuilder, build_ahead
 from runner.rows import StatsRow, Status
 from runner.signals import Interrupted, sigterm_interrupts
 from runner.spec import Job
-from runner.store import DoneFilter, Store
+from runner.resume import Work, restart, shared_name, work_to_do
+from runner.store import Store
 from runner.store_sqlite import InputCounts
 from runner.summary import plural
 
@@ -57,21 +58,6 @@ class RunOptions:
         if self.restart and self.retry_failed:  # one redoes every row, the other keeps the ok ones
             raise SpecError("--restart and --retry-failed cannot be used together: --restart runs every row "
                             "again, --retry-failed only the rows that are not ok")
-
-
-@dataclass
-class Work:
-    """What a run will do, decided before it starts."""
-
-    fingerprint: str  # of the job as it is now: stored with every row it makes
-    todo: int  # input rows to run
-    skipped: int  # input rows already done
-    redone: int  # stored rows to run again (another version of the job, or --retry-failed)
-    reasons: list[str]  # what changed, e.g. "sampling.max_tokens"
-    is_done: DoneFilter  # which rows of a batch to skip, asked of the database
-    notes: list[str] = field(default_factory=list)  # what the run changed about the job, and why
-    grammar: Optional[dict] = None  # how `structured_output_backend: measure` was decided
-    skip: set[int] = field(default_factory=set)  # input row numbers rejected by the scan
 
 
 @dataclass
@@ -138,9 +124,14 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     if opts.on_input_ok is not None:
         opts.on_input_ok()
     store.mark_abandoned_runs(job.name)  # first: a killed run ended at its last stored row, set aside below
-    restarted = _restart(store, job, scan) if opts.restart else None
+    restarted = restart(store, job, scan) if opts.restart else None
     # the fingerprint has the backend as configured; after --restart no row of the input is stored
-    work = _work(store, job, scan, opts.retry_failed, counted=InputCounts(0, 0, 0) if restarted else None)
+    work = work_to_do(store, job, scan, opts.retry_failed, counted=InputCounts(0, 0, 0) if restarted else None)
+    shared = shared_name(store, job)
+    if shared:
+        work.notes.append(shared)
+        if opts.notify is not None:
+            opts.notify(shared)
     if restarted:  # the input's rows stored before: run again, as by a changed job
         work.redone += restarted[0]
     try:
@@ -183,7 +174,9 @@ def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Stor
         return _execute(job, store, run_id, engines, builder, work, opts, ctx, partial)
     except BaseException as exc:
         status = "interrupted" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else "failed"
-        store.finish_run(run_id, status, stats=partial.get("stats"), error=str(exc) or exc.__class__.__name__)
+        error = "stopped by Ctrl-C (SIGINT); finished rows are stored, rerun to resume" \
+            if isinstance(exc, KeyboardInterrupt) else str(exc) or exc.__class__.__name__
+        store.finish_run(run_id, status, stats=partial.get("stats"), error=error)
         raise
 
 
@@ -205,37 +198,6 @@ def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[J
     if opts.notify is not None:
         opts.notify(why)
     return with_speculative(job, None), why
-
-
-def _restart(store: Store, job: Job, scan: InputScan) -> tuple[int, str]:
-    """--restart sets the job's stored rows aside: (how many of them are in this run's input, a note).
-    Where input.limit (--limit) cut the input, only the rows this run takes: a smoke run does not
-    undo the rest."""
-    limited = scan.cut_by_limit
-    stored = store.input_counts(job.name, scan.ids.path, "").stored
-    moved = store.set_aside_results(job.name, only_ids=scan.ids.path if limited else None)
-    note = f"--restart set {plural(moved, 'stored row')} aside to results_history"
-    if limited:
-        return stored, note + " (input.limit: only the rows this run takes)"
-    return stored, note + (f"; {moved - stored:,} of them not in this run's input" if moved > stored else "")
-
-
-def _work(store: Store, job: Job, scan: InputScan, retry_failed: bool, counted: Optional[InputCounts] = None) -> Work:
-    """Count what the run will do against what is stored, on disk (bounded memory at any size);
-    `counted`: the counts where they are known without asking (the input once counted is enough)."""
-    fingerprint, components = result_fingerprint(job)
-    store.register_fingerprint(job.name, fingerprint, components)
-    counts = counted or store.input_counts(job.name, scan.ids.path, fingerprint)
-    skipped = counts.kept(retry_failed)
-    redone = counts.stored - skipped
-    reasons: set[str] = set()
-    if redone and not retry_failed:
-        known = store.fingerprint_components(job.name)
-        stale = {e.get("fingerprint") for e in store.rows_by_fingerprint(job.name)} - {fingerprint, None}
-        for fp in stale & set(known):
-            reasons.update(changed_parts(known[fp], components))
-    return Work(fingerprint, scan.rows - skipped, skipped, redone, sorted(reasons),
-                store.done_filter(job.name, fingerprint, ok_only=retry_failed), skip=scan.skip)
 
 
 def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, builder: PromptBuilder, work: Work,

@@ -6,6 +6,7 @@ is loaded and checked. Every problem becomes one SpecError naming the file and t
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
@@ -162,7 +163,9 @@ def format_validation_error(file: Path, exc: ValidationError) -> str:
     # An unknown key first: a misspelt one (id_colum) is why its field is "required" beside it.
     errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    # a union's member names its errors (speculative.SpeculativeSpec.method, speculative.literal['auto']):
+    # the user's file has no such key
+    loc = ".".join(str(p) for p in first["loc"] if not _union_member(p)) or "(top level)"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         missing = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == first["loc"][:-1]]
@@ -170,6 +173,12 @@ def format_validation_error(file: Path, exc: ValidationError) -> str:
         msg = "unknown key" + (f"; did you mean {close[0]}?" if close else "")
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{file}: {loc}: {msg}{more}"
+
+
+def _union_member(part: Any) -> bool:
+    """Whether a part of a pydantic error location is a union member's tag, not a key."""
+    return isinstance(part, str) and (re.fullmatch(r"[A-Z][a-z]+(?:[A-Z][a-z0-9]*)+", part) is not None
+                                      or part.startswith(("literal[", "function-")))
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

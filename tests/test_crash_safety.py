@@ -403,7 +403,8 @@ def test_a_run_stopped_before_its_first_row_still_records_how_long_it_ran(make_j
     with pytest.raises(EngineError):  # a failed start is kept the same way
         run_job(job, engine_factory=lambda j: (_ for _ in ()).throw(EngineError("no GPU")), clock=lambda: float(next(ticks)))
     con = sqlite3.connect(job.database_path)
-    got = con.execute("SELECT r.status, s.rows_total, s.wall_s > 0 FROM runs r JOIN run_stats s ON s.run_id = r.id "
-                      "ORDER BY r.id").fetchall()
-    assert got == [("interrupted", 0, 1), ("failed", 0, 1)]
+    got = con.execute("SELECT r.status, r.error, s.rows_total, s.wall_s > 0 FROM runs r JOIN run_stats s "
+                      "ON s.run_id = r.id ORDER BY r.id").fetchall()
+    assert got == [("interrupted", "stopped by Ctrl-C (SIGINT); finished rows are stored, rerun to resume", 0, 1),
+                   ("failed", "no GPU", 0, 1)]
     assert count(job.database_path) == 0

@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 
 import pyarrow as pa
+import pytest
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
@@ -329,3 +330,20 @@ def test_stats_and_status_to_a_reader_that_is_gone_exit_141_quietly(make_job):
         err = proc.stderr.read().decode()
         assert proc.wait(timeout=60) == 141, (args, err)
         assert err == "", err
+
+
+def test_every_command_that_prints_says_so_in_one_line_when_standard_output_is_full(make_job, tmp_path):
+    """Standard output on a full disk (here /dev/full): one `Error:` line and exit 6, as export
+    does, not a traceback and exit 1."""
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    job = make_job(rows=3)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    for args in (("stats", "--job", job), ("stats", "--json", "--job", job), ("status", job), ("plan", job),
+                 ("validate", job), ("report", "1", "--job", job), ("export", "--job", job, "--format", "csv")):
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(runner_cmd(*args), stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+        assert proc.returncode == 6, (args, proc.stderr)
+        assert proc.stderr == "Error: standard output: cannot write: No space left on device\n", (args, proc.stderr)

@@ -423,3 +423,36 @@ def test_stats_tells_a_run_whose_process_was_killed_from_one_under_way(make_job,
     con.commit()
     shown = json.loads(CliRunner().invoke(cli, ["stats", "--job", str(job), "--json", "--with-idle"]).stdout)
     assert shown[0]["process_gone"] is None
+
+
+def test_sigterm_stops_a_command_that_is_not_a_run_with_one_line_and_130(make_job, tmp_path):
+    """`runner prune --wait` stopped by cron's SIGTERM while a run holds the job: exit 130 and one
+    `Error:` line that promises nothing about stored rows, not a bare death by signal (143)."""
+    import signal
+    import time
+
+    from runner.lock import JobLock
+
+    job = make_job(rows=2)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    db = tmp_path / "out" / "results.sqlite"
+    with JobLock(db, "t"):
+        proc = subprocess.Popen(runner_cmd("prune", job, "--keep-versions", "1", "--wait"), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not _catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:  # its handler is set
+            time.sleep(0.05)
+        time.sleep(0.5)  # waiting for the lock
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err == "Error: stopped by signal SIGTERM\n", (proc.returncode, err)
+
+
+def _catches(pid: int, sig) -> bool:
+    """Whether process pid has a handler for sig (Linux: SigCgt in /proc/PID/status)."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return False
+    mask = next((int(ln.split()[1], 16) for ln in status.splitlines() if ln.startswith("SigCgt:")), 0)
+    return bool(mask & (1 << (int(sig) - 1)))

@@ -347,3 +347,30 @@ def test_restart_with_a_limit_sets_aside_only_the_rows_it_runs_and_refuses_retry
     out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--restart", "--limit", "100", str(job)])
     assert ("Note: running 4 stored rows again: --restart set 6 stored rows aside to results_history; 2 of them not "
             "in this run's input\n") in out.stderr
+
+
+def test_a_second_job_file_with_the_same_name_and_database_is_named(make_job, tmp_path):
+    """Two job files, one `name:`, one database: they share the stored rows by id, so the run says
+    so; the same file again, or a job file moved away, says nothing."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from runner.cli import cli
+
+    job = make_job(rows=4)
+    copy = tmp_path / "copy.yaml"
+    shutil.copy(job, copy)
+    run = lambda path: CliRunner().invoke(cli, ["run", "--engine", "fake", str(path)])  # noqa: E731
+    assert "another job file" not in run(job).stderr
+    assert "another job file" not in run(job).stderr
+    out = run(copy)
+    assert out.exit_code == 0
+    assert (f"Note: job t in {tmp_path / 'out' / 'results.sqlite'} was last run from another job file, {job}: the two "
+            "share its stored rows by id; give one of them another `name:` to keep their results apart") in out.stderr
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    notes = json.loads(con.execute("SELECT engine_choice_json FROM run_stats ORDER BY run_id DESC").fetchone()[0])["notes"]
+    assert any("another job file" in n for n in notes)
+    moved = tmp_path / "moved.yaml"
+    copy.rename(moved)
+    assert "another job file" not in run(moved).stderr  # the file it ran from is gone: moved, not shared

@@ -81,6 +81,13 @@ def llm_arg_names() -> Optional[frozenset[str]]:
     return frozenset(engine | own) - {"self"} if engine and own else None
 
 
+def speculative_fields() -> Optional[frozenset[str]]:
+    """The keys the installed vLLM's speculative_config takes (SpeculativeConfig's fields), read
+    from the source without importing vLLM; None where it is not found where expected."""
+    fields = _class_fields("config/speculative.py", "SpeculativeConfig")
+    return frozenset(fields) if fields else None
+
+
 def _class_fields(module: str, name: str, init_args: bool = False) -> Optional[set[str]]:
     """A class's annotated fields in a file of the installed vLLM (or its __init__'s arguments)."""
     import ast

@@ -1,0 +1,76 @@
+"""What a run will do, decided before it starts: the input's rows against what is stored (resume,
+a changed job, --retry-failed), --restart's set-aside, and a job name that another job file shares."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from runner.fingerprint import changed_parts, result_fingerprint
+from runner.inputs import InputScan
+from runner.spec import Job
+from runner.store import DoneFilter, Store
+from runner.store_sqlite import InputCounts
+from runner.summary import plural
+
+
+@dataclass
+class Work:
+    """What a run will do, decided before it starts."""
+
+    fingerprint: str  # of the job as it is now: stored with every row it makes
+    todo: int  # input rows to run
+    skipped: int  # input rows already done
+    redone: int  # stored rows to run again (another version of the job, or --retry-failed)
+    reasons: list[str]  # what changed, e.g. "sampling.max_tokens"
+    is_done: DoneFilter  # which rows of a batch to skip, asked of the database
+    notes: list[str] = field(default_factory=list)  # what the run changed about the job, and why
+    grammar: Optional[dict] = None  # how `structured_output_backend: measure` was decided
+    skip: set[int] = field(default_factory=set)  # input row numbers rejected by the scan
+
+
+def restart(store: Store, job: Job, scan: InputScan) -> tuple[int, str]:
+    """--restart sets the job's stored rows aside: (how many of them are in this run's input, a note).
+    Where input.limit (--limit) cut the input, only the rows this run takes: a smoke run does not
+    undo the rest."""
+    limited = scan.cut_by_limit
+    stored = store.input_counts(job.name, scan.ids.path, "").stored
+    moved = store.set_aside_results(job.name, only_ids=scan.ids.path if limited else None)
+    note = f"--restart set {plural(moved, 'stored row')} aside to results_history"
+    if limited:
+        return stored, note + " (input.limit: only the rows this run takes)"
+    return stored, note + (f"; {moved - stored:,} of them not in this run's input" if moved > stored else "")
+
+
+def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool, counted: Optional[InputCounts] = None) -> Work:
+    """Count what the run will do against what is stored, on disk (bounded memory at any size);
+    `counted`: the counts where they are known without asking (the input once counted is enough)."""
+    fingerprint, components = result_fingerprint(job)
+    store.register_fingerprint(job.name, fingerprint, components)
+    counts = counted or store.input_counts(job.name, scan.ids.path, fingerprint)
+    skipped = counts.kept(retry_failed)
+    redone = counts.stored - skipped
+    reasons: set[str] = set()
+    if redone and not retry_failed:
+        known = store.fingerprint_components(job.name)
+        stale = {e.get("fingerprint") for e in store.rows_by_fingerprint(job.name)} - {fingerprint, None}
+        for fp in stale & set(known):
+            reasons.update(changed_parts(known[fp], components))
+    return Work(fingerprint, scan.rows - skipped, skipped, redone, sorted(reasons),
+                store.done_filter(job.name, fingerprint, ok_only=retry_failed), skip=scan.skip)
+
+
+def shared_name(store: Store, job: Job) -> Optional[str]:
+    """A note where the job's name was last run from another job file that is still there: two files
+    with one `name:` and one database share its rows, each redoing those the other made differently."""
+    last = store.latest_runs(job.name)
+    if not last or not last[0]["job_path"]:
+        return None
+    other = Path(last[0]["job_path"])
+    try:
+        if not other.exists() or other.samefile(job.path):
+            return None
+    except OSError:
+        return None
+    return (f"job {job.name} in {job.database_path} was last run from another job file, {other}: the two share "
+            "its stored rows by id; give one of them another `name:` to keep their results apart")
