@@ -23,10 +23,9 @@ def _open_store(job, db, overrides=()):
     if overrides and not job:
         raise SpecError("--set changes a job's settings: give it with --job JOB, not --db")
     if job:
-        from runner.spec import load_job
+        from runner.spec import job_results
 
-        spec = load_job(job, overrides, check_engine=False)  # results only: no engine starts
-        db, job_name = spec.database_path, spec.name
+        db, job_name = job_results(job, overrides)  # results only: the schema and engine config may be gone
     if not db:
         raise SpecError("give --job JOB or --db DATABASE")
     _database_here(Path(db), job_name)

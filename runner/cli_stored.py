@@ -86,27 +86,27 @@ def prune(job, keep_versions, dry_run, wait, overrides):
     """
     from runner.cli_results import _open_store
     from runner.errors import NotFound
-    from runner.spec import load_job
+    from runner.spec import job_results
 
-    spec = load_job(job, overrides, check_engine=False)
+    database, name = job_results(job, overrides)  # the schema and engine config may be gone
     try:
         store, _ = _open_store(job, None, overrides)
     except NotFound as exc:
-        say(f"job {spec.name}: nothing to prune ({exc})")
+        say(f"job {name}: nothing to prune ({exc})")
         return
-    if not store.latest_runs(spec.name):  # a misspelt --set name=... deletes nothing, and says why
-        say(f"job {spec.name}: nothing to prune (no run of it in {spec.database_path})")
+    if not store.latest_runs(name):  # a misspelt --set name=... deletes nothing, and says why
+        say(f"job {name}: nothing to prune (no run of it in {database})")
         return
     if dry_run:
-        count = store.prune_history(spec.name, keep_versions, dry_run=True)
+        count = store.prune_history(name, keep_versions, dry_run=True)
     else:
         from runner.lock import JobLock
 
-        with JobLock(spec.database_path, spec.name, wait=wait):  # not while a run moves rows into the history
-            count = store.prune_history(spec.name, keep_versions)
+        with JobLock(database, name, wait=wait):  # not while a run moves rows into the history
+            count = store.prune_history(name, keep_versions)
     kept = {0: "none kept", 1: "each row keeps its latest replaced version"}.get(
         keep_versions, f"each row keeps its {keep_versions:,} latest replaced versions")
-    say(f"job {spec.name}: {plural(count, 'replaced row')} {'would be ' if dry_run else ''}deleted from "
+    say(f"job {name}: {plural(count, 'replaced row')} {'would be ' if dry_run else ''}deleted from "
         f"results_history ({kept})")
 
 

@@ -240,6 +240,18 @@ def load_job(path: str | Path, overrides: Sequence[str] = (), check_engine: bool
         raise SpecError(f"{exc} (with --set {' --set '.join(overrides)})") from None
 
 
+def job_results(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Path, str]:
+    """(results database, job name) of a job file, for commands that only read or prune its
+    results: its schema, engine config, model and input need not be there any more."""
+    shown = Path(path)
+    try:
+        spec = JobFile.model_validate(apply_overrides(read_yaml(shown), overrides))
+    except ValidationError as exc:
+        with_set = f" (with --set {' --set '.join(overrides)})" if overrides else ""
+        raise SpecError(format_validation_error(shown, exc) + with_set) from None
+    return _resolve(shown.resolve().parent, spec.output.database), spec.name
+
+
 def _load(shown: Path, raw: dict[str, Any], check_engine: bool = True) -> Job:
     from runner.models import resolve_model
 

@@ -456,3 +456,19 @@ def _catches(pid: int, sig) -> bool:
         return False
     mask = next((int(ln.split()[1], 16) for ln in status.splitlines() if ln.startswith("SigCgt:")), 0)
     return bool(mask & (1 << (int(sig) - 1)))
+
+
+def test_an_archived_job_without_its_schema_or_engine_config_still_shows_exports_and_prunes(make_job, tmp_path):
+    """Reading and pruning results needs only the job file's name and database: its schema, engine
+    config and input may be gone (a job retired, its folder cleaned)."""
+    job = make_job(rows=3)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    shown = [invoke("stats", "--job", job).output, invoke("export", "--job", job, "--format", "jsonl").output]
+    for gone in ("schemas/out.json", "configs/engine.yaml", "data/docs.parquet"):
+        (tmp_path / gone).unlink()
+    assert [invoke("stats", "--job", job).output, invoke("export", "--job", job, "--format", "jsonl").output] == shown
+    for args in (("report", "1", "--job", job, "-o", tmp_path / "r.html"), ("prune", job, "--keep-versions", "1")):
+        out = invoke(*args)
+        assert out.exit_code == 0, (args, out.output)
+    bad = invoke("stats", "--job", job, "--set", "output.databse=x.sqlite")  # the job file itself is still checked
+    assert bad.exit_code == 2 and "output.databse: unknown key" in bad.output
