@@ -104,6 +104,8 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
         store, job_name = _open_store(job, db, overrides)
         runs = [_run_of(store, run_id, job_name)] if run_id is not None else store.latest_runs(job_name, last, with_idle)
         if not runs:
+            if job_name and not store.latest_runs(job_name):  # a misspelt --set name=...: not its idle runs
+                raise NotFound(f"{store.path}: no runs of {job_name}")
             raise NotFound(f"{store.path}: no runs yet" + ("" if with_idle else " that ran rows (--with-idle: all)"))
     except NotFound:
         if as_json and run_id is None:  # for monitoring: a job that has not run has no runs, not an error
@@ -163,7 +165,7 @@ def _process_gone(r: dict):
 @cli.command()
 @click.argument("run_id", type=int)
 @db_options
-@click.option("-o", "--output", "output", default="-", show_default=True, type=click.Path(dir_okay=False, allow_dash=True),
+@click.option("-o", "--output", "output", default="-", show_default=True, type=click.Path(allow_dash=True),
               help="HTML file to write; - for stdout.")
 @reports_errors
 def report(run_id, job, db, overrides, output):
@@ -190,9 +192,9 @@ def report(run_id, job, db, overrides, output):
 @cli.command()
 @click.argument("run_id", required=False, type=int)
 @db_options
-@click.option("--format", "fmt_", type=click.Choice(["parquet", "csv", "jsonl"]), default=None,
+@click.option("--format", "fmt_", type=click.Choice(["parquet", "csv", "jsonl"], case_sensitive=False), default=None,
               help="Default: from the output file's name (.parquet, .csv, .jsonl); needed for stdout.")
-@click.option("-o", "--output", "output", default="-", show_default=True, type=click.Path(dir_okay=False, allow_dash=True),
+@click.option("-o", "--output", "output", default="-", show_default=True, type=click.Path(allow_dash=True),
               help="File to write; - for stdout.")
 @reports_errors
 def export(run_id, job, db, overrides, fmt_, output):

@@ -38,7 +38,7 @@ def speculation(choice_json: Optional[str]) -> str:
 def stats_lines(s: dict, statuses: dict[str, int]) -> list[tuple[str, str]]:
     """A run's stats row as (label, text) lines."""
     return [
-        ("rows by status", ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()) if v) or "-"),
+        ("rows by status", ", ".join(f"{k} {v:,}" for k, v in sorted(statuses.items()) if v) or "-"),
         ("documents/s", fmt(s.get("documents_per_s"))),
         ("output / total tok/s", f"{fmt(s.get('output_tokens_per_s'), 1)} / {fmt(s.get('total_tokens_per_s'), 1)}"),
         ("prefix-cache hit rate",

@@ -213,3 +213,22 @@ def test_an_export_that_cannot_be_written_names_the_file_asked_for_and_why(db, t
                                                  f"{tmp_path / 'job.yaml'} is a file, not a folder\n"), out.output
     out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "-o", "/proc/x.parquet"])  # no file can be made there
     assert out.exit_code == 6 and out.stderr.startswith("Error: /proc/x.parquet: cannot write: ") and ".part" not in out.stderr
+
+
+def test_a_folder_as_the_output_is_one_error_line_and_the_format_is_read_in_any_case(make_job, tmp_path):
+    from click.testing import CliRunner
+
+    from runner.cli import cli
+
+    job = make_job(rows=2)
+    invoke = lambda *a: CliRunner().invoke(cli, [str(x) for x in a])  # noqa: E731
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    (tmp_path / "folder").mkdir()
+    for args in (("export", "--job", job, "--format", "csv", "-o", tmp_path / "folder"),
+                 ("report", "1", "--job", job, "-o", tmp_path / "folder")):
+        out = invoke(*args)
+        assert out.exit_code == 6 and out.output == f"Error: {tmp_path / 'folder'}: is a folder\n", (args, out.output)
+    out = invoke("export", "--job", job, "--format", "CSV")
+    assert out.exit_code == 0 and out.stdout.startswith('"row_id",'), out.output
+    out = invoke("stats", "--job", job, "--set", "name=other")  # a misspelt name: said as such
+    assert out.exit_code == 7 and out.output.strip().endswith("no runs of other"), out.output
