@@ -66,7 +66,7 @@ def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path
         # the job's rows were made by several versions of it: every version's fields get a column
         for name, scalar in flat_fields(json.loads(older["config_json"]).get("output_schema", {})).items():
             fields[name] = fields.get(name, scalar) and scalar  # a field that was an object anywhere: JSON text
-    schema = _schema(fields, _field_kinds(store.results_of(run_id, job_name), fields))
+    schema = _schema(fields, _field_kinds(store.results_of(run_id, job_name, columns=["extraction_json"]), fields))
     written = [0]
 
     def write(sink) -> None:
