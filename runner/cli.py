@@ -18,7 +18,7 @@ from runner.cli_output import one_line, run_summary, say, warn
 from runner.process_clock import note_process_start, take_start
 from runner.scratch import remove_scratch
 from runner.errors import OutputClosed, RunnerError
-from runner.signals import RUN_STOPPED, sigterm_interrupts
+from runner.signals import RUN_STOPPED, ignore_stop_signals, sigterm_interrupts
 
 
 def reports_errors(fn):
@@ -144,8 +144,10 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
             # Ray imports vLLM in its replicas, not here
             on_input_ok=(lambda: preload(spec, engine)) if spec.spec.executor == "local" else None)
     # Completed and stored, whatever the exit code below; its last engine was let go: main() must end
-    # the process at once, also where the summary cannot be printed.
+    # the process at once, also where the summary cannot be printed. A SIGTERM now changes nothing:
+    # ignored, so that it cannot turn a completed run's 0 or 65 into 130.
     _finished_run["executor"] = spec.spec.executor
+    ignore_stop_signals()
     if not quiet:
         say(run_summary(summary))
     limit = spec.spec.output.max_failed_fraction

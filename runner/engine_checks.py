@@ -96,12 +96,15 @@ def _check_speculative_keys(engine: EngineConfig, where: EngineSettingSource) ->
     from runner.engines.vllm_settings import speculative_fields, vllm_version
 
     cal = engine.calibration
-    fixed = engine.speculative if isinstance(engine.speculative, SpeculativeSpec) else None  # not auto or off
-    given = [("speculative", k) for k in ((fixed.model_extra or {}) if fixed else {})]
-    given += [("calibration.ngram", k) for k in cal.ngram]
-    given += [(f"calibration.candidates[{i}].options", k) for i, c in enumerate(cal.candidates or []) for k in c.options]
+    given: list[tuple[str, str]] = []
+    if isinstance(engine.speculative, SpeculativeSpec):
+        given += [("speculative", k) for k in engine.speculative.model_extra or {}]
+    elif engine.speculative == "auto":  # calibration's settings are used only then
+        given += [("calibration.ngram", k) for k in cal.ngram]
+        given += [(f"calibration.candidates[{i}].options", k) for i, c in enumerate(cal.candidates or []) for k in c.options]
     fields = speculative_fields() if given else None
-    unknown = [(at, k) for at, k in given if k not in fields] if fields else []
+    # vLLM reads prompt-lookup-max as prompt_lookup_max
+    unknown = [(at, k) for at, k in given if k.replace("-", "_") not in fields] if fields else []
     if unknown:
         at, key = unknown[0]
         close = difflib.get_close_matches(key, sorted(fields), n=1)

@@ -60,9 +60,15 @@ def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool, coun
                 store.done_filter(job.name, fingerprint, ok_only=retry_failed), skip=scan.skip)
 
 
-def shared_name(store: Store, job: Job) -> Optional[str]:
-    """A note where the job's name was last run from another job file that is still there: two files
-    with one `name:` and one database share its rows, each redoing those the other made differently."""
+def shared_name(store: Store, job: Job, fingerprint: str) -> Optional[str]:
+    """A note where the job's name was last run, by another version of it, from another job file
+    that still names this job and database: the two share its rows by id, each redoing those the
+    other made differently. (Copies that make the same rows share them harmlessly: no note.)"""
+    import json
+
+    from runner.errors import SpecError
+    from runner.spec import job_results
+
     last = store.latest_runs(job.name)
     if not last or not last[0]["job_path"]:
         return None
@@ -70,7 +76,11 @@ def shared_name(store: Store, job: Job) -> Optional[str]:
     try:
         if not other.exists() or other.samefile(job.path):
             return None
-    except OSError:
+        same_place = job_results(other) == (job.database_path, job.name)
+    except (OSError, SpecError):  # gone or unreadable meanwhile: not a job that shares this one
         return None
-    return (f"job {job.name} in {job.database_path} was last run from another job file, {other}: the two share "
-            "its stored rows by id; give one of them another `name:` to keep their results apart")
+    if not same_place or json.loads(last[0]["config_json"] or "{}").get("fingerprint") in (fingerprint, None):
+        return None
+    return (f"job {job.name} in {job.database_path} was last run from another job file, {other}, which makes its "
+            "rows differently: the two share its stored rows by id, each redoing the other's; give one of them "
+            "another `name:` to keep their results apart")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import signal
 import threading
 
@@ -19,13 +20,22 @@ class Interrupted(RunnerError):
 RUN_STOPPED = "finished rows are stored, rerun to resume"
 
 
-def raise_interrupted(signum, _frame, after: str = RUN_STOPPED):
+def raise_interrupted(signum, _frame, after: str = RUN_STOPPED, pid: int = 0):
     """The SIGTERM handler: the runner's own Interrupted, raised where the main thread is; `after`
-    says what the stop left (a run: its finished rows)."""
+    says what the stop left (a run: its finished rows). In a process forked from the one that set
+    it (vLLM's engine core and workers keep SIGHUP's handler), the signal's default: it ends."""
+    if pid and os.getpid() != pid:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     # A second SIGTERM while the first unwinds (storing the open batch, marking the run) is ignored:
     # raised again, it would lose that batch and leave the run row `running`.
     signal.signal(signum, signal.SIG_IGN)
     raise Interrupted(f"stopped by signal {signal.Signals(signum).name}" + (f"; {after}" if after else ""))
+
+
+def _ours(handler) -> bool:
+    return isinstance(handler, functools.partial) and handler.func is raise_interrupted
 
 
 @contextlib.contextmanager
@@ -33,17 +43,42 @@ def sigterm_interrupts(after: str = RUN_STOPPED):
     """SIGTERM raises Interrupted from the first step on (a wait for the lock, the grammar's
     measuring child, which subprocess.run then kills), not only once the run row exists: cron and
     systemd see exit 130 and one Error: line rather than a bare death by signal. Only the main
-    thread can set a handler: called from another thread, the process's own handling stays."""
-    if threading.current_thread() is not threading.main_thread():
+    thread can set a handler: called from another thread, the process's own handling stays. Set
+    already (the command's, around a run's): that one stays, its message and its ignoring a
+    second signal."""
+    if threading.current_thread() is not threading.main_thread() or _ours(signal.getsignal(signal.SIGTERM)):
         yield
         return
     # SIGHUP too (a closed terminal or ssh session), unless ignored: `nohup runner run` asked that
     signals = [signal.SIGTERM] + [s for s in [getattr(signal, "SIGHUP", None)]
                                   if s is not None and signal.getsignal(s) is not signal.SIG_IGN]
-    handler = raise_interrupted if after == RUN_STOPPED else functools.partial(raise_interrupted, after=after)
+    handler = functools.partial(raise_interrupted, after=after, pid=os.getpid())
     old = {s: signal.signal(s, handler) for s in signals}
     try:
         yield
     finally:
+        for s, previous in old.items():
+            signal.signal(s, previous)
+
+
+@contextlib.contextmanager
+def handlers_kept():
+    """Leave SIGTERM's and SIGHUP's handlers as they were across a library call that sets its own
+    (ray.init: Ray's SIGTERM handler exits with no message and the run recorded failed)."""
+    signals = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+    main = threading.current_thread() is threading.main_thread()
+    old = {s: signal.getsignal(s) for s in signals} if main else {}
+    try:
+        yield
+    finally:
         for s, handler in old.items():
-            signal.signal(s, handler)
+            if handler is not None:
+                signal.signal(s, handler)
+
+
+def ignore_stop_signals() -> None:
+    """SIGTERM and SIGHUP ignored from here on (a run that completed: what is left is its exit)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if s is not None:
+                signal.signal(s, signal.SIG_IGN)

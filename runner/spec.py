@@ -6,7 +6,6 @@ is loaded and checked. Every problem becomes one SpecError naming the file and t
 from __future__ import annotations
 
 import hashlib
-import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
@@ -176,9 +175,21 @@ def format_validation_error(file: Path, exc: ValidationError) -> str:
 
 
 def _union_member(part: Any) -> bool:
-    """Whether a part of a pydantic error location is a union member's tag, not a key."""
-    return isinstance(part, str) and (re.fullmatch(r"[A-Z][a-z]+(?:[A-Z][a-z0-9]*)+", part) is not None
-                                      or part.startswith(("literal[", "function-")))
+    """Whether a part of a pydantic error location is a union member's tag (one of the runner's
+    models, or a literal), not a key: a user's own key (MaxNumSeqs, an env variable) stays."""
+    if not isinstance(part, str):
+        return False
+    return part.startswith("literal[") or part in _model_names()
+
+
+def _model_names() -> set[str]:
+    found, todo = set(), [BaseModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__.startswith("runner.") and sub.__name__ not in found:
+                found.add(sub.__name__)
+            todo.append(sub)
+    return found
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

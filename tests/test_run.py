@@ -350,27 +350,36 @@ def test_restart_with_a_limit_sets_aside_only_the_rows_it_runs_and_refuses_retry
 
 
 def test_a_second_job_file_with_the_same_name_and_database_is_named(make_job, tmp_path):
-    """Two job files, one `name:`, one database: they share the stored rows by id, so the run says
-    so; the same file again, or a job file moved away, says nothing."""
-    import shutil
-
+    """Two job files, one `name:`, one database, that make rows differently: each redoes the other's
+    rows, so the run says so. An identical copy, the same file again, a copy renamed apart, or a job
+    file moved away, says nothing."""
+    import yaml
     from click.testing import CliRunner
 
     from runner.cli import cli
 
     job = make_job(rows=4)
     copy = tmp_path / "copy.yaml"
-    shutil.copy(job, copy)
+    spec = yaml.safe_load(job.read_text())
+    copy.write_text(yaml.safe_dump(spec))
     run = lambda path: CliRunner().invoke(cli, ["run", "--engine", "fake", str(path)])  # noqa: E731
     assert "another job file" not in run(job).stderr
     assert "another job file" not in run(job).stderr
+    assert "another job file" not in run(copy).stderr  # an identical copy: the same rows, nothing redone
+    assert "another job file" not in run(job).stderr
+    copy.write_text(yaml.safe_dump(spec | {"sampling": spec["sampling"] | {"max_tokens": 48}}))
     out = run(copy)
     assert out.exit_code == 0
-    assert (f"Note: job t in {tmp_path / 'out' / 'results.sqlite'} was last run from another job file, {job}: the two "
-            "share its stored rows by id; give one of them another `name:` to keep their results apart") in out.stderr
+    assert (f"Note: job t in {tmp_path / 'out' / 'results.sqlite'} was last run from another job file, {job}, which "
+            "makes its rows differently: the two share its stored rows by id, each redoing the other's; give one of "
+            "them another `name:` to keep their results apart") in out.stderr
     con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
     notes = json.loads(con.execute("SELECT engine_choice_json FROM run_stats ORDER BY run_id DESC").fetchone()[0])["notes"]
     assert any("another job file" in n for n in notes)
+    copy.write_text(yaml.safe_dump(spec | {"name": "t2", "sampling": spec["sampling"] | {"max_tokens": 48}}))
+    assert "another job file" not in run(job).stderr  # renamed apart, as the note advised
+    copy.write_text(yaml.safe_dump(spec | {"sampling": spec["sampling"] | {"max_tokens": 48}}))
+    assert "another job file" in run(copy).stderr  # the other way round
     moved = tmp_path / "moved.yaml"
     copy.rename(moved)
-    assert "another job file" not in run(moved).stderr  # the file it ran from is gone: moved, not shared
+    assert "another job file" not in run(job).stderr  # the file it ran from is gone: moved, not shared

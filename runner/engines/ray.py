@@ -16,8 +16,9 @@ import time
 from typing import Any, Callable, Optional
 
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
-from runner.scratch import remove_scratch
 from runner.errors import EngineError
+from runner.scratch import remove_scratch
+from runner.signals import handlers_kept
 
 _INIT_LOCK = threading.Lock()
 _STEP_S = 0.05  # how long a replica call may gather completions before it answers
@@ -40,15 +41,15 @@ def _init_ray(ray, job) -> None:
     env = offline_environment(job.engine.in_process) | cfg.env
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     kwargs = dict(runtime_env={"env_vars": env}, include_dashboard=False, log_to_driver=False)
-    if address:
-        ray.init(address=address, **kwargs)
-    else:
+    if not address:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         # Logical CPUs: Ray Data's read tasks need a CPU beside the replicas, or they never run.
         cpus = cfg.local_num_cpus or int(cfg.replicas * cfg.cpus_per_replica) + 2
         # A short folder: Ray's unix socket paths must stay under 108 bytes.
-        ray.init(num_cpus=cpus, object_store_memory=cfg.object_store_memory_bytes,
-                 _temp_dir=os.path.join(tempfile.gettempdir(), f"runner-ray-{os.getuid()}"), **kwargs)
+        kwargs |= dict(num_cpus=cpus, object_store_memory=cfg.object_store_memory_bytes,
+                       _temp_dir=os.path.join(tempfile.gettempdir(), f"runner-ray-{os.getuid()}"))
+    with handlers_kept():  # Ray's SIGTERM handler would exit with no message, the run recorded failed
+        ray.init(**({"address": address} if address else {}), **kwargs)
 
 
 class EngineReplica:
