@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -116,7 +117,7 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
         say(json.dumps([_run_json(store, r) for r in runs], indent=1, default=str))
         return
     for r in runs:
-        s = store.stats(r["id"]) or {}
+        s = store.stats(r["id"]) or _killed_run_stats(r)
         status = r["status"] + (f" (its process {r['pid']} is gone: killed; the next run marks it interrupted)"
                                 if _process_gone(r) else "")
         say(f"run {r['id']}  {r['job_name']}  {status}  started {r['started_at_utc']}")
@@ -129,17 +130,42 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
         ] + ([("error", r["error"])] if r["error"] else [])))
 
 
+def _file_path(output: str) -> Path:
+    """-o's file. A name ending in a slash means a folder: Path() would drop the slash and write a
+    file of the folder's name."""
+    from runner.errors import OutputFileError
+
+    if output.endswith(("/", os.sep)):
+        raise OutputFileError(f"{output}: names a folder: give a file name")
+    return Path(output)
+
+
 def _write_text(path: Path, text: str, reading: Path) -> None:
     from runner.export import write_whole
 
     write_whole(path, lambda part: part.write_text(text, encoding="utf-8"), reading=reading)
 
 
+def _killed_run_stats(r: dict) -> dict:
+    """A run killed outright stored no stats: its wall time is known to its last stored row (the
+    end the next run gave it), which is what `stats` shows for it."""
+    from datetime import datetime
+
+    if r["status"] != "interrupted" or not (r.get("started_at_utc") and r.get("ended_at_utc")):
+        return {}
+    try:
+        took = datetime.fromisoformat(r["ended_at_utc"]) - datetime.fromisoformat(r["started_at_utc"])
+    except (TypeError, ValueError):  # a time written by hand or by another tool: no wall rather than a traceback
+        return {}
+    return {"wall_s": round(took.total_seconds(), 3), "wall_to_last_row": True}
+
+
 def _run_json(store, r: dict) -> dict:
     """A run as JSON: its record (JSON columns parsed), stats, result counts by status and how many
     of its rows are no longer stored."""
     run = {k: (json.loads(v) if k.endswith("_json") and v else v) for k, v in r.items()}
-    stats = {k: (json.loads(v) if k.endswith("_json") and v else v) for k, v in (store.stats(r["id"]) or {}).items()}
+    stats = {k: (json.loads(v) if k.endswith("_json") and v else v)
+             for k, v in (store.stats(r["id"]) or _killed_run_stats(r)).items()}
     counts, gone = store.result_counts(r["id"])
     return {"run": run, "stats": stats, "rows_by_status": counts, "rows_not_stored": gone,
             "process_gone": _process_gone(r)}
@@ -185,7 +211,7 @@ def report(run_id, job, db, overrides, output):
     if output == "-":
         say(html, nl=False)
         return
-    _write_text(Path(output), html, reading=store.path)
+    _write_text(_file_path(output), html, reading=store.path)
     say(f"Report: {output}")
 
 
@@ -214,6 +240,7 @@ def export(run_id, job, db, overrides, fmt_, output):
     from runner.errors import SpecError
     from runner.export import export_run, format_for
 
+    target = None if output == "-" else _file_path(output)
     fmt_ = format_for(output, fmt_)
     store, job_name = _open_store(job, db, overrides)
     if run_id is None and job_name is None:
@@ -221,7 +248,7 @@ def export(run_id, job, db, overrides, fmt_, output):
     if run_id is not None:
         _run_of(store, run_id, job_name)
     to_stdout = output == "-"
-    n = export_run(store, run_id, fmt_, None if to_stdout else Path(output), None if run_id is not None else job_name)
+    n = export_run(store, run_id, fmt_, target, None if run_id is not None else job_name)
     (warn if to_stdout else say)(f"Exported {plural(n, 'row')} to {'stdout' if to_stdout else output}")
     if run_id is not None and (gone := store.result_counts(run_id)[1]):
         warn(f"Note: run {run_id} stored {plural(gone, 'more row')} than are kept now (replaced, then deleted)")

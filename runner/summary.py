@@ -45,5 +45,6 @@ def stats_lines(s: dict, statuses: dict[str, int]) -> list[tuple[str, str]]:
          f"{fmt(s.get('prefix_cache_hit_rate'), pct=True)} (plan bound {fmt(s.get('plan_prefix_share'), pct=True)})"),
         ("spec. acceptance", fmt(s.get("spec_acceptance_rate"), pct=True)),
         ("speculation", speculation(s.get("engine_choice_json"))),
-        ("wall / generation s", f"{fmt(s.get('wall_s'), 1)} / {fmt(s.get('generation_s'), 1)}"),
+        ("wall / generation s", f"{fmt(s.get('wall_s'), 1)} / {fmt(s.get('generation_s'), 1)}"
+         + (" (wall to its last stored row: killed, no stats stored)" if s.get("wall_to_last_row") else "")),
     ]

@@ -355,6 +355,36 @@ def test_restart_after_a_killed_run_keeps_when_that_run_ended(make_job):
         ("interrupted", "2030-01-01T00:00:09.000+00:00")
 
 
+def test_stats_of_a_killed_run_give_its_wall_time_to_its_last_stored_row(make_job):
+    """SIGKILL leaves no stats row: once the next run marks the run interrupted, `stats` gives its
+    wall time from its start to its last stored row, and says so."""
+    from click.testing import CliRunner
+
+    from runner.cli import cli
+    from runner.engines.fake import FakeEngine
+    from runner.run import run_job
+    from runner.spec import load_job
+    from runner.store import Store
+
+    path = make_job(rows=3)
+    job = load_job(path)
+    run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
+    killed = Store(job.database_path).begin_run(job.name, str(job.path), {})  # left 'running', as by SIGKILL
+    con = sqlite3.connect(job.database_path)
+    con.execute("UPDATE runs SET started_at_utc = '2030-01-01T00:00:00.000+00:00' WHERE id = ?", (killed,))
+    con.execute("UPDATE results SET run_id = ?, created_at_utc = '2030-01-01T00:01:02.500+00:00'", (killed,))
+    con.commit()
+    run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))  # marks it interrupted
+    out = CliRunner().invoke(cli, ["stats", str(killed), "--job", path])
+    assert out.exit_code == 0 and "interrupted" in out.output, out.output
+    wall = next(line.split(None, 4)[4] for line in out.output.splitlines() if line.strip().startswith("wall / generation s"))
+    assert wall.split()[:3] == ["62.5", "/", "-"] and "last stored row" in wall, wall
+    out = CliRunner().invoke(cli, ["stats", str(killed), "--job", path, "--json"])
+    assert json.loads(out.stdout)[0]["stats"]["wall_s"] == 62.5
+    finished = CliRunner().invoke(cli, ["stats", str(killed - 1), "--job", path])
+    assert "last stored row" not in finished.output
+
+
 def test_a_run_that_fails_midway_stores_what_it_did_and_how_its_engine_was_chosen(make_job):
     """Stats of a stopped run cover its stored rows: the rows it replaced (not all it planned to
     redo), no plan bound (the plan holds rows that never ran), and its speculation choice."""

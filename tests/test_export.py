@@ -228,6 +228,12 @@ def test_a_folder_as_the_output_is_one_error_line_and_the_format_is_read_in_any_
                  ("report", "1", "--job", job, "-o", tmp_path / "folder")):
         out = invoke(*args)
         assert out.exit_code == 6 and out.output == f"Error: {tmp_path / 'folder'}: is a folder\n", (args, out.output)
+    for args in (("export", "--job", job, "--format", "csv", "-o", f"{tmp_path}/newdir/"),
+                 ("report", "1", "--job", job, "-o", f"{tmp_path}/newdir/")):  # a folder not made yet
+        out = invoke(*args)
+        assert out.exit_code == 6 and out.output == f"Error: {tmp_path}/newdir/: names a folder: give a file name\n", \
+            (args, out.output)
+        assert not (tmp_path / "newdir").exists()
     out = invoke("export", "--job", job, "--format", "CSV")
     assert out.exit_code == 0 and out.stdout.startswith('"row_id",'), out.output
     out = invoke("stats", "--job", job, "--set", "name=other")  # a misspelt name: said as such
