@@ -14,12 +14,14 @@ export PYTHONPATH=/tmp/site:/tmp/smoke-proj VLLM_CACHE_ROOT=/tmp/vllm-cache RUNN
 GPU="--set engine.config=../configs/smollm2-h200.yaml"
 gpu_procs() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | tr '\n' ' '; }
 rows() { python3 -c "import sqlite3,sys; print(sqlite3.connect(sys.argv[1]).execute('SELECT count(*) FROM results').fetchone()[0])" "$1" 2>/dev/null || echo 0; }
-stopped_run() {  # $1: database, $2: "start" (TERM 32 s in: vLLM's import takes ~21 s there, LLM(...) ~19 s) or "rows" (TERM once a row is stored)
+stopped_run() {  # $1: database, $2: "start" (TERM once vLLM's engine core logs: inside LLM(...), its core
+  # process alive; a fixed delay missed it, a warm run there took 26 s in all) or "rows" (TERM once a row is stored)
   python3 -m runner.cli run --quiet jobs/summarize.yaml $GPU --set "output.database=$1" &
   pid=$!
-  if [ "$2" = start ]; then sleep 32; else
-    for _ in $(seq 1500); do [ "$(rows "$1")" -gt 0 ] && break; sleep 0.2; done
-  fi
+  for _ in $(seq 1500); do
+    if [ "$2" = start ]; then grep -qs "EngineCore" "$1.summarize.log" && break; else [ "$(rows "$1")" -gt 0 ] && break; fi
+    sleep 0.2
+  done
   kill -TERM $pid; wait $pid; rc=$?; echo "SIGTERM ($2, $(rows "$1") rows stored): exit $rc"
   sleep 2; echo "GPU processes after it: [$(gpu_procs)]"
   python3 -m runner.cli run --quiet jobs/summarize.yaml $GPU --set "output.database=$1"; echo "rerun: exit $?"

@@ -30,6 +30,8 @@ def speculation(choice_json: Optional[str]) -> str:
         return f"{what} ({cal.get('skipped', 'not worth measuring')}; by the cost rule of calibration #{ref})"
     if "reused_calibration_id" in cal:
         return f"{what} (calibration #{cal['reused_calibration_id']} of {cal['measured_at_utc'][:10]}, reused)"
+    if "calibration_id" in cal and "skipped" in cal:  # decided without measuring (a batch over max_batch)
+        return f"{what} ({cal['skipped']}; stored as calibration #{cal['calibration_id']})"
     if "calibration_id" in cal:
         return f"{what} (measured in {cal.get('calibration_s', 0):.1f} s, stored as calibration #{cal['calibration_id']})"
     return f"{what} ({cal.get('skipped', 'not measured')})"

@@ -350,6 +350,10 @@ def test_speculation_is_measured_only_for_small_batches(make_job, batch, measure
     else:
         assert started == [None] and cal["chosen_draft_tokens"] == 0 and "300 requests" in cal["skipped"]
     assert s.stats["rows_total"] == 30
+    from runner.summary import speculation
+    shown = speculation(con.execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
+    # "measured" only where drafts were: the start of the one engine is not a measurement
+    assert ("measured in" in shown) == measured and shown.endswith("stored as calibration #1)"), shown
 
 
 def test_budget_capacity_counts_the_prefix_reserve():
