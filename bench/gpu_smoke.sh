@@ -35,7 +35,7 @@ start)
   cd /tmp/smoke-proj && setsid nohup bash bench/gpu_smoke.sh steps > /tmp/smoke/log 2>&1 < /dev/null &
   sleep 10; cat /tmp/smoke/log ;;
 steps)
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%FT%TZ), $(nvidia-smi -L | head -1)"
+  echo "$(date -u +%FT%TZ), $(nvidia-smi -L | head -1)"  # no commit: the device's copy of .git may be older than the tree
   python3 -c "from runner.engines.vllm_settings import speculative_fields as f; print('speculative keys:', sorted(f() or ['NOT FOUND']))"
   /usr/bin/time -f "sample job: %e s wall" python3 -m runner.cli run jobs/summarize.yaml $GPU \
     --set output.database=/tmp/smoke/a.sqlite > /tmp/smoke/sample.out 2>&1; echo "sample job: exit $?"
