@@ -177,10 +177,34 @@ class EngineConfig(Strict):
         return (self.load_format or self.extra_args.get("load_format")) != "dummy"
 
 
-# Every EngineConfig field, optional: what a job may override.
+def _section(annotation: Any) -> bool:
+    """Whether a field holds a section of its own (calibration, verify, speculative)."""
+    args = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return any(isinstance(a, type) and issubclass(a, BaseModel) for a in args)
+
+
+# Every EngineConfig field, optional: what a job may override. A section may be partial (only
+# calibration.rows): it is checked once merged onto the engine config's (merge_engine).
 EngineOverrides = create_model(
     "EngineOverrides",
     __base__=Strict,
     config=(str, ...),
-    **{name: (Optional[f.annotation], None) for name, f in EngineConfig.model_fields.items()},
+    **{name: (Optional[Any] if _section(f.annotation) else Optional[f.annotation], None)
+       for name, f in EngineConfig.model_fields.items()},
 )
+
+
+def merge_engine(config: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
+    """The engine config's settings with the job's (and --set's) on top, key by key inside sections
+    (calibration, speculative, extra_args): `--set engine.calibration.rows=16` keeps the config's
+    other calibration settings. A speculative section naming another method replaces the config's:
+    the old method's keys would not apply to it."""
+    out = dict(config)
+    for key, value in job.items():
+        old = out.get(key)
+        if isinstance(old, dict) and isinstance(value, dict) and old.get("method", value.get("method")) == \
+                value.get("method", old.get("method")):
+            out[key] = merge_engine(old, value)
+        else:
+            out[key] = value
+    return out

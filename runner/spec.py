@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from runner.engine_checks import EngineSettingSource, check_engine_settings
-from runner.engine_config import EngineConfig, EngineOverrides, Strict
+from runner.engine_config import EngineConfig, EngineOverrides, Strict, merge_engine
 from runner.errors import InputError, ModelError, SpecError
 from runner.overrides import apply_overrides
 from runner.prompt_spec import PromptSpec, load_prompts
@@ -155,7 +155,7 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def format_validation_error(file: Path, exc: ValidationError) -> str:
+def format_validation_error(file: Path, exc: ValidationError, prefix: str = "") -> str:
     """One line: `FILE: field.path: message` for the first error, with a count of the rest."""
     import difflib
 
@@ -164,7 +164,8 @@ def format_validation_error(file: Path, exc: ValidationError) -> str:
     first = errors[0]
     # a union's member names its errors (speculative.SpeculativeSpec.method, speculative.literal['auto']):
     # the user's file has no such key
-    loc = ".".join(str(p) for p in first["loc"] if not _union_member(p)) or "(top level)"
+    loc = ".".join(str(p) for p in first["loc"] if not _union_member(p))
+    loc = prefix + loc if loc else prefix.rstrip(".") or "(top level)"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         missing = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == first["loc"][:-1]]
@@ -224,12 +225,11 @@ def load_engine_config(path: Path, overrides: dict[str, Any], job_path: Path) ->
         base = EngineConfig.model_validate(raw)
     except ValidationError as exc:
         raise SpecError(format_validation_error(path, exc)) from None
-    merged = {**base.model_dump(exclude_unset=True), **overrides}
+    merged = merge_engine(base.model_dump(exclude_unset=True), overrides)
     try:
         return EngineConfig.model_validate(merged)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise SpecError(f"{job_path}: engine.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise SpecError(format_validation_error(job_path, exc, prefix="engine.")) from None
 
 
 def load_job(path: str | Path, overrides: Sequence[str] = (), check_engine: bool = True,

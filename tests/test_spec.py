@@ -69,7 +69,10 @@ def test_real_sample_job_is_valid():
      "job.yaml: engine.calibration.ngram.prompt_lookup_mn: not a key of vLLM's speculative_config"),
     (lambda s: s["engine"].update(speculative="auto", calibration={"candidates": [{"method": "ngram", "options": {"x": 1}}]}),
      "job.yaml: engine.calibration.candidates[0].options.x: not a key of vLLM's speculative_config"),
-    (lambda s: s["engine"].update(speculative={"foo": 1}), "job.yaml: engine.speculative.method: Field required"),
+    # merged onto the config's ngram section: the key is refused, not the section for lacking its method
+    (lambda s: s["engine"].update(speculative={"foo": 1}), "job.yaml: engine.speculative.foo: not a key of vLLM's"),
+    (lambda s: s["engine"].update(speculative={"method": "draft_model", "foo": 1}),  # another method: replaced
+     "job.yaml: engine.speculative.num_speculative_tokens: Field required"),
     (lambda s: s["engine"].update(MaxNumSeqs=8), "job.yaml: engine.MaxNumSeqs: unknown key"),  # a user's key stays
     (lambda s: s["sampling"].update(stop=["}", ""]), "job.yaml: sampling.stop: Value error, an empty string would stop"),
     (lambda s: s.update(prompts={"user_template": "{text"}), "job.yaml: prompts.user_template: "),
@@ -86,6 +89,25 @@ def test_bad_job_names_file_and_field(make_job, mutate, expected):
         load_job(path)
     assert expected in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_job_overrides_an_engine_section_key_by_key(make_job):
+    """`--set engine.calibration.rows=16` (or the job's engine section) changes that key: the engine
+    config's other keys of the section stay (they went back to the defaults, silently)."""
+    path = make_job(engine={"calibration": {"rows": 64, "max_draft_tokens": 3, "max_batch": 8},
+                            "extra_args": {"seed": 7, "disable_log_stats": True}})
+    job = load_job(path, ["engine.calibration.rows=16", "engine.extra_args.seed=1",
+                          "engine.speculative.num_speculative_tokens=2"])
+    cal = job.engine.calibration
+    assert (cal.rows, cal.max_draft_tokens, cal.max_batch) == (16, 3, 8)
+    assert job.engine.extra_args == {"seed": 1, "disable_log_stats": True}
+    spec = job.engine.speculative.model_dump()
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 2 and spec["prompt_lookup_max"] == 3
+    # another method is a new section; auto and null replace it whole
+    job = load_job(path, ["engine.speculative={method: suffix, num_speculative_tokens: 4}"])
+    assert job.engine.speculative.model_dump() == {"method": "suffix", "num_speculative_tokens": 4}
+    assert load_job(path, ["engine.speculative=auto"]).engine.speculative == "auto"
+    assert load_job(path, ["engine.speculative=null"]).engine.speculative is None
 
 
 def test_a_job_run_with_another_executor_is_checked_as_that_executor_runs_it(make_job):
@@ -149,13 +171,14 @@ def test_other_compilation_settings_pass_through(make_job, compilation):
     assert load_job(path).engine.extra_args["compilation_config"] == compilation
 
 
-def test_a_jobs_extra_args_replace_the_engine_configs_whole(make_job):
-    """vLLM's own settings are one value: a job (or --set) that names extra_args names all of them,
-    so that what the config file says cannot mix into them unseen."""
+def test_a_jobs_extra_args_merge_into_the_engine_configs_key_by_key(make_job):
+    """`--set engine.extra_args.compilation_config.cudagraph_mode=...` sets that key: the config
+    file's other vLLM settings stay, at every depth."""
     path = make_job(engine={"extra_args": {"disable_log_stats": False, "compilation_config": {"mode": 3}}})
     job = load_job(path, ["engine.extra_args.compilation_config.cudagraph_mode=FULL_DECODE_ONLY"])
-    assert job.engine.extra_args == {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}
-    assert load_job(path).engine.extra_args["disable_log_stats"] is False
+    assert job.engine.extra_args == {"disable_log_stats": False,
+                                     "compilation_config": {"mode": 3, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+    assert load_job(path).engine.extra_args == {"disable_log_stats": False, "compilation_config": {"mode": 3}}
 
 
 def test_bad_engine_config_file_is_named(make_job, tmp_path):
