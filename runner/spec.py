@@ -193,6 +193,26 @@ def _model_names() -> set[str]:
     return found
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML as safe_load reads it, but a key given twice in one mapping is refused: safe_load keeps
+    the last silently (a second `sampling:` block dropped the first's settings)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden here
+                continue
+            key, line = self.construct_object(key_node, deep=deep), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{key} is given twice (lines {seen[key]} and {line})", key_node.start_mark)
+                seen[key] = line
+            except TypeError:  # an unhashable key: the base class says so
+                break
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping, or raise SpecError naming the file."""
     try:
@@ -202,12 +222,14 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read: {exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeys)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise SpecError(f"{path}: invalid YAML: {where}{problem}") from None
+    if data is None:
+        raise SpecError(f"{path}: the file is empty (no YAML keys)")
     if not isinstance(data, dict):
         raise SpecError(f"{path}: (top level): expected a mapping of keys, got {type(data).__name__}")
     return data

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from runner.errors import ModelError, SpecError
-from runner.spec import load_job
+from runner.spec import load_job, read_yaml
 
 
 def test_valid_job_resolves_paths_and_merges_engine_overrides(make_job, tmp_path, tiny_model_dir):
@@ -199,6 +199,34 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
     p.write_text("- just\n- a list\n")
     with pytest.raises(SpecError, match="expected a mapping"):
         load_job(p)
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(make_job):
+    """safe_load keeps the last of two keys: a second sampling block dropped the first's settings."""
+    path = make_job()
+    good = path.read_text()
+    path.write_text(good + "sampling:\n  temperature: 0.9\n")
+    first = 1 + next(i for i, line in enumerate(path.read_text().splitlines()) if line.startswith("sampling:"))
+    last = len(path.read_text().splitlines()) - 1
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert str(err.value) == f"{path}: invalid YAML: line {last}: sampling is given twice (lines {first} and {last})"
+    path.write_text(good)
+    engine = path.parent / "configs" / "engine.yaml"
+    engine.write_text(engine.read_text() + "calibration: {rows: 4, rows: 8}\n")
+    with pytest.raises(SpecError, match=r"engine\.yaml: invalid YAML: line \d+: rows is given twice"):
+        load_job(path)
+    anchors = path.parent / "anchors.yaml"  # a merge key's keys may be overridden: not given twice
+    anchors.write_text("base: &b {p: 1, q: 2}\nother:\n  <<: *b\n  p: 3\n")
+    assert read_yaml(anchors) == {"base": {"p": 1, "q": 2}, "other": {"p": 3, "q": 2}}
+
+
+def test_an_empty_job_file_says_so(tmp_path):
+    p = tmp_path / "j.yaml"
+    p.write_text("# nothing yet\n")
+    with pytest.raises(SpecError) as err:
+        load_job(p)
+    assert str(err.value) == f"{p}: the file is empty (no YAML keys)"
 
 
 def test_schema_that_is_not_json_schema(make_job, tmp_path):
