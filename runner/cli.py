@@ -155,7 +155,15 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
         left_out = f", {summary.rows_rejected:,} of them left out for null or repeated ids" if summary.rows_rejected else ""
         raise TooManyFailed(f"the run completed, but {summary.rows_not_ok:,} of the input's {summary.rows_judged:,} rows "
                             f"({summary.failed_fraction:.1%}{left_out}) are not ok (output.max_failed_fraction: "
-                            f"{limit:.1%}); see: runner status {job}")
+                            f"{limit:.1%}); see: {_status_command(job, overrides)}")
+
+
+def _status_command(job: str, overrides: tuple[str, ...]) -> str:
+    """The `runner status` that shows this run's rows: with its --set settings, which may name
+    another database or job name (shell-quoted, to paste)."""
+    import shlex
+
+    return shlex.join(["runner", "status", *(a for o in overrides for a in ("--set", o)), job])
 
 
 _finished_run: dict = {}  # set when `runner run` completed: main() may then exit at once

@@ -147,6 +147,7 @@ def test_validate_refuses_a_model_folder_without_weights_for_a_local_engine(make
 def test_on_bad_row_store_records_bad_rows_and_runs_the_rest(make_job, tmp_path):
     """One bad row does not abort the night: null texts and system prompts are stored failed with
     the reason, repeated ids keep their first row and the rest are listed in rejected_rows."""
+    import shlex
     import sqlite3
 
     import pyarrow as pa
@@ -183,6 +184,11 @@ def test_on_bad_row_store_records_bad_rows_and_runs_the_rest(make_job, tmp_path)
     assert judged.exit_code == 65 and judged.output.startswith(
         "Error: the run completed, but 5 of the input's 7 rows (71.4%, 3 of them left out for null or repeated ids) "
         "are not ok (output.max_failed_fraction: 50.0%)"), judged.output
+    # the hint keeps the run's --set settings (they may name another database): pasted, it shows these rows
+    hint = judged.output.strip().split("; see: ")[1]
+    assert hint == f"runner status --set input.on_bad_row=store --set output.max_failed_fraction=0.5 {job}", hint
+    shown = CliRunner().invoke(cli, shlex.split(hint)[1:])
+    assert shown.exit_code == 0 and "4 rows stored" in shown.output, shown.output
 
 
 def test_the_reports_throughput_counts_rows_generated_not_rows_failed():
