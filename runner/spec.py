@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -169,7 +169,9 @@ def format_validation_error(file: Path, exc: ValidationError, prefix: str = "") 
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         missing = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == first["loc"][:-1]]
-        close = difflib.get_close_matches(str(first["loc"][-1]), missing, n=1)
+        # a required key left missing first (it is why that key is missing), then any key of the section
+        close = (difflib.get_close_matches(str(first["loc"][-1]), missing, n=1)
+                 or difflib.get_close_matches(str(first["loc"][-1]), _keys_at(exc.title, first["loc"][:-1]), n=1))
         msg = "unknown key" + (f"; did you mean {close[0]}?" if close else "")
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{file}: {loc}: {msg}{more}"
@@ -183,12 +185,35 @@ def _union_member(part: Any) -> bool:
     return part.startswith("literal[") or part in _model_names()
 
 
+def _keys_at(model_name: str, loc: tuple) -> list[str]:
+    """The keys of the section at `loc` in the runner's model `model_name` (JobFile, EngineConfig),
+    following its fields and union tags; none where the walk leaves the runner's models."""
+    models = _models()
+    cls = models.get(model_name)
+    for part in loc:
+        if cls is None:
+            return []
+        if isinstance(part, str) and part in models:  # a union member's tag: that member's section
+            cls = models[part]
+            continue
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return []
+        args = get_args(field.annotation) or (field.annotation,)
+        cls = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return list(cls.model_fields) if cls else []
+
+
 def _model_names() -> set[str]:
-    found, todo = set(), [BaseModel]
+    return set(_models())
+
+
+def _models() -> dict[str, type]:
+    found, todo = {}, [BaseModel]
     while todo:
         for sub in todo.pop().__subclasses__():
             if sub.__module__.startswith("runner.") and sub.__name__ not in found:
-                found.add(sub.__name__)
+                found[sub.__name__] = sub
             todo.append(sub)
     return found
 

@@ -201,6 +201,21 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
         load_job(p)
 
 
+@pytest.mark.parametrize("setting, where, suggested", [
+    ("prompts.user_templat=x", "job.yaml: prompts.user_templat", "user_template"),  # optional keys too
+    ("sampling.max_token=3", "job.yaml: sampling.max_token", "max_tokens"),
+    ("engine.max_num_seq=3", "job.yaml: engine.max_num_seq", "max_num_seqs"),
+    ("engine.calibration.rowz=3", "job.yaml: engine.calibration.rowz", "rows"),
+    ("output.commit_every_row=3", "job.yaml: output.commit_every_row", "commit_every_rows"),
+])
+def test_a_misspelt_key_is_given_the_key_it_is_close_to(make_job, setting, where, suggested):
+    with pytest.raises(SpecError) as err:
+        load_job(make_job(), [setting])
+    assert f"{where}: unknown key; did you mean {suggested}?" in str(err.value)
+    with pytest.raises(SpecError, match=r"engine\.yaml: max_num_seq: unknown key; did you mean max_num_seqs\?"):
+        load_job(make_job(engine={"max_num_seq": 8}))  # in the engine config file
+
+
 def test_a_key_given_twice_is_refused_with_both_lines(make_job):
     """safe_load keeps the last of two keys: a second sampling block dropped the first's settings."""
     path = make_job()
