@@ -64,6 +64,15 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     return files
 
 
+def _is_parquet(file: str) -> bool:
+    """Whether the file begins as Parquet does (PAR1)."""
+    try:
+        with open(file, "rb") as f:
+            return f.read(4) == b"PAR1"
+    except OSError:
+        return False
+
+
 class Reader:
     """Record batches (file, batch) of the job's columns, in a deterministic order."""
 
@@ -117,7 +126,10 @@ class LocalReader(Reader):
                         left -= batch.num_rows
                     yield file, _with_partition(batch, partition, columns)
             except (OSError, pa.ArrowException) as exc:
-                raise InputError(f"{file}: corrupt or unreadable {file_format(file, self.spec.format)} data ({exc})") from None
+                fmt = file_format(file, self.spec.format)
+                if fmt != "parquet" and _is_parquet(file):  # input.format names another format than the file's
+                    raise InputError(f"{file}: a Parquet file, read as {fmt} (input.format: {fmt})") from None
+                raise InputError(f"{file}: corrupt or unreadable {fmt} data ({exc})") from None
 
     def _file_batches(self, file: str, partition: dict, columns: list[str]):
         fmt = file_format(file, self.spec.format)

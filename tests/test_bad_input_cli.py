@@ -261,3 +261,14 @@ def test_validate_refuses_a_database_that_cannot_be_written(make_job, tmp_path, 
     assert result.output.startswith(f"Error: {db}: output.database: cannot be written")
     run = CliRunner().invoke(cli, ["run", "--engine", "fake", str(job)])
     assert run.exit_code == 6  # what validate foretold
+
+
+def test_a_parquet_file_read_as_another_format_is_said_so_and_an_error_line_holds_no_control_bytes(make_job):
+    """input.format: csv on a Parquet file gave pyarrow's 600-character message with the file's NULs
+    in it, written to the terminal as they were."""
+    from runner.cli_output import one_line
+
+    job = make_job(rows=3)
+    out = CliRunner().invoke(cli, ["validate", "--set", "input.format=csv", str(job)])
+    assert out.exit_code == 3 and out.output.endswith(": a Parquet file, read as csv (input.format: csv)\n"), out.output
+    assert one_line("row 12: \x00\x01PAR1\x1b[31m\tend \u00e9") == "row 12: \\x00\\x01PAR1\\x1b[31m end \u00e9"
