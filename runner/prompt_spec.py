@@ -70,7 +70,7 @@ def template_fields(template: str, field: str = "prompts.user_template") -> set[
 
 
 def load_prompts(p: PromptSpec, base: Path, shown: Path, system_prompt_column: Optional[str],
-                 extra_columns: list[str]) -> LoadedPrompts:
+                 extra_columns: list[str], text_column: str = "text") -> LoadedPrompts:
     """Check the prompts section and read the files it names."""
     given = [n for n in ("system", "system_file", "system_template") if getattr(p, n) is not None]
     if len(given) > 1:
@@ -88,6 +88,13 @@ def load_prompts(p: PromptSpec, base: Path, shown: Path, system_prompt_column: O
     if unknown:
         raise SpecError(f"{shown}: prompts.user_template: unknown field {{{sorted(unknown)[0]}}}; "
                         f"use text or one of input.extra_columns")
+    if "text" in extra_columns and text_column != "text":  # {text} is the document: the column is unreachable
+        raise SpecError(f"{shown}: input.extra_columns: text names the document ({text_column}) in templates, so "
+                        "the column text cannot be used; make it input.text_column and list "
+                        f"{text_column} in input.extra_columns")
+    if not fields & {"text", text_column}:
+        raise SpecError(f"{shown}: prompts.user_template: never uses {{text}}, the document (input.text_column: "
+                        f"{text_column}): the model would not see it")
     if p.system_template is not None:
         unknown = template_fields(p.system_template, f"{shown}: prompts.system_template") - set(extra_columns)
         if unknown:

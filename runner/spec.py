@@ -320,7 +320,8 @@ def _load(shown: Path, raw: dict[str, Any], check_engine: bool = True) -> Job:
         raise SpecError(format_validation_error(shown, exc)) from None
     base = job_path.parent
 
-    prompts = load_prompts(spec.prompts, base, shown, spec.input.system_prompt_column, spec.input.extra_columns)
+    prompts = load_prompts(spec.prompts, base, shown, spec.input.system_prompt_column, spec.input.extra_columns,
+                           spec.input.text_column)
 
     schema_path = _resolve(base, spec.output_schema)
     schema = load_schema(schema_path, str(shown))

@@ -236,6 +236,20 @@ def test_a_key_given_twice_is_refused_with_both_lines(make_job):
     assert read_yaml(anchors) == {"base": {"p": 1, "q": 2}, "other": {"p": 3, "q": 2}}
 
 
+def test_a_template_must_send_the_document_and_text_must_not_hide_a_column(make_job):
+    """A user_template without {text} sent every row without its document; an extra column named
+    text could never be used ({text} is the document)."""
+    with pytest.raises(SpecError, match=r"job\.yaml: prompts\.user_template: never uses \{text\}, the document "
+                                        r"\(input\.text_column: text\)"):
+        load_job(make_job(job={"prompts": {"user_template": "Title: {title}"}}), ["input.extra_columns=[title]"])
+    # the text column named as an extra column is the document too
+    job = load_job(make_job(), ["input.extra_columns=[text]", "prompts.user_template='Doc: {text}'"])
+    assert job.spec.input.text_column == "text"
+    path = make_job()
+    with pytest.raises(SpecError, match=r"input\.extra_columns: text names the document \(body\) in templates"):
+        load_job(path, ["input.text_column=body", "input.extra_columns=[text]"])
+
+
 def test_an_empty_job_file_says_so(tmp_path):
     p = tmp_path / "j.yaml"
     p.write_text("# nothing yet\n")
