@@ -19,11 +19,11 @@ def validate(job, overrides):
     Example:
       runner validate jobs/summarize.yaml
     """
-    from runner.errors import ModelError, StoreError
+    from runner.errors import ModelError
     from runner.models import is_model_dir, missing_model
     from runner.readers import LocalReader
     from runner.spec import load_job
-    from runner.store_sqlite import unwritable_reason
+    from runner.store_sqlite import refuse_unwritable
 
     spec = load_job(job, overrides)
     reader = LocalReader(spec.input_path, spec.spec.input)
@@ -32,8 +32,7 @@ def validate(job, overrides):
     ready = is_model_dir(spec.model_path, weights=spec.engine.needs_weights)
     if not ready and spec.spec.executor == "local":  # `runner run` would stop there: so does this
         raise ModelError(missing_model(spec.model_path))
-    if (why := unwritable_reason(spec.database_path)) is not None:
-        raise StoreError(f"{spec.database_path}: output.database: {why}")
+    refuse_unwritable(spec.database_path)
     say(f"OK: {job}")
     say(table([
         ("input", f"{scan.rows:,} rows in {len(scan.files)} file(s)"

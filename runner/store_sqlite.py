@@ -215,6 +215,13 @@ def nearest_existing(path: Path) -> Path:
     return folder
 
 
+def refuse_unwritable(path: Path) -> None:
+    """StoreError (exit 6) where a run could not make, write or open the database at path: said
+    alike by `validate` and before a command opens the engine log beside the database."""
+    if (why := unwritable_reason(path)) is not None:
+        raise StoreError(f"{path}: output.database: {why}")
+
+
 def unwritable_reason(path: Path) -> Optional[str]:
     """Why a run could not make, write or open the database at path (None: it could), found without
     writing: the file, or the nearest folder that exists above it, must be writable, and a file

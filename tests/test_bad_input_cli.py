@@ -260,7 +260,7 @@ def test_validate_refuses_a_database_that_cannot_be_written(make_job, tmp_path, 
     assert result.exit_code == 6 and len(result.output.splitlines()) == 1, result.output
     assert result.output.startswith(f"Error: {db}: output.database: cannot be written")
     run = CliRunner().invoke(cli, ["run", "--engine", "fake", str(job)])
-    assert run.exit_code == 6  # what validate foretold
+    assert run.exit_code == 6 and run.output == result.output  # what validate foretold, as it said it
 
 
 def test_a_parquet_file_read_as_another_format_is_said_so_and_an_error_line_holds_no_control_bytes(make_job):
