@@ -117,5 +117,9 @@ def plan(job, overrides):
         say(f"{'' if p.tokens_exact else '~'}{plural(p.rows_too_long, 'row')} with a prompt over "
             f"{p.prompt_room:,} tokens: with max_tokens {spec.spec.sampling.max_tokens:,} longer than max_model_len "
             f"{spec.engine.max_model_len:,} (input.on_too_long: {spec.spec.input.on_too_long}: a run {what})")
+        beyond = sum(g.rows for g in p.groups if g.prefix_tokens > p.prompt_room)
+        if beyond:  # no cut of the document saves these: their system prompt alone is over
+            say(f"{'' if p.tokens_exact else '~'}{plural(beyond, 'row')} of them under a system prompt of more than "
+                f"{p.prompt_room:,} tokens by itself: no cut of the document makes those fit (a run stores them as failed)")
     say(f"shared-prefix share of prompt tokens (prefix-cache bound, {p.block_tokens}-token blocks): "
         f"{'' if p.tokens_exact else '~'}{100 * p.prefix_share:.1f}%{exact}")

@@ -150,8 +150,11 @@ class PromptBuilder:
             over = len(ids) + max_tokens - max_model_len
             cut_tokens = len(text_ids) - kept
         if over > 0:
-            how = ("the prompt's other parts (system prompt, few-shot turns, template) do not fit even with "
-                   "the document cut" if truncate else "set input.on_too_long: truncate to cut the document")
+            # cutting helps only where the document is longer than the excess (8 tokens of slack)
+            savable = not truncate and len(self.encode(doc.text)) > over + 8
+            how = ("set input.on_too_long: truncate to cut the document" if savable else
+                   "the prompt's other parts (system prompt, few-shot turns, template) do not fit even with "
+                   "the document cut: shorten them, raise max_model_len or lower max_tokens")
             return ids, (f"prompt is {len(ids)} tokens; with max_tokens={max_tokens} it exceeds "
                          f"max_model_len={max_model_len} ({how})"), cut_tokens
         return ids, None, cut_tokens

@@ -173,3 +173,8 @@ def test_plan_counts_the_rows_a_run_would_store_failed_as_too_long(invoke, make_
     con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
     failed = con.execute("SELECT count(*) FROM results WHERE status = 'failed' AND error LIKE 'prompt is %'").fetchone()[0]
     assert 0 < planned == failed and "input.on_too_long: fail: a run stores them as failed" in line
+    # these rows' system prompts alone are over the 40 tokens: no cut saves them, and neither says it would
+    beyond = next(l for l in out.output.splitlines() if "no cut of the document makes those fit" in l)
+    assert int(beyond.split()[0]) == planned
+    errors = [e for (e,) in con.execute("SELECT error FROM results WHERE status = 'failed'")]
+    assert errors and all("do not fit even with the document cut" in e and "truncate" not in e for e in errors)

@@ -191,6 +191,7 @@ def test_too_long_document_fails_or_is_truncated(make_job, tmp_path):
     run_job(job, engine_factory=lambda j: seen)
     rows = results(job)
     assert rows["r001"]["status"] == "failed" and "exceeds max_model_len=1024" in rows["r001"]["error"]
+    assert "set input.on_too_long: truncate to cut the document" in rows["r001"]["error"]  # a cut would save it
     assert [r.row_id for r in seen.seen] == ["r000", "r002"]
     # the row keeps its length (why it failed); the run's token counts and speeds are of what ran
     assert rows["r001"]["prompt_tokens"] > 1024
