@@ -42,9 +42,10 @@ class JobLock:
                 break
             except BlockingIOError:
                 if not self.wait:
-                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
                     raise LockedError(
-                        f"{self.path}: job is already running (pid {holder}); use --wait to wait for it"
+                        f"{self.path}: job is already running ({f'pid {holder}' if holder else 'by another process'}); "
+                        "use --wait to wait for it"
                     ) from None
                 time.sleep(self.poll_s)
         os.ftruncate(fd, 0)

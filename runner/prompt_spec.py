@@ -114,5 +114,7 @@ def _read(base: Path, rel: str, shown: Path, field: str) -> str:
     path = path if path.is_absolute() else (base / path).resolve()
     try:
         return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{shown}: {field}: cannot read {path}: {exc.__class__.__name__}") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{shown}: {field}: {path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise SpecError(f"{shown}: {field}: cannot read {path}: {exc.strerror or exc}") from None

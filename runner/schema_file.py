@@ -21,7 +21,7 @@ def _load_schema(path: Path, where: str) -> dict[str, Any]:
     import jsonschema
 
     try:
-        schema = json.loads(path.read_text(encoding="utf-8"))
+        schema = json.loads(path.read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is no JSON error
     except FileNotFoundError:
         raise SpecError(f"{where}: output_schema: file not found: {path}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -250,6 +250,21 @@ def test_a_template_must_send_the_document_and_text_must_not_hide_a_column(make_
         load_job(path, ["input.text_column=body", "input.extra_columns=[text]"])
 
 
+def test_a_prompt_file_that_cannot_be_read_says_why_and_a_schema_with_a_bom_loads(make_job, tmp_path):
+    """The reason in words, not Python's class name (FileNotFoundError); a BOM, as Windows editors
+    write it, is no JSON error."""
+    with pytest.raises(SpecError) as err:
+        load_job(make_job(), ["input.system_prompt_column=null", "prompts.system_file=nope.txt"])
+    assert f"job.yaml: prompts.system_file: cannot read {tmp_path / 'nope.txt'}: No such file or directory (" in str(err.value)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(SpecError, match=r"prompts\.system_file: .*latin1\.txt: not UTF-8 text \(byte 3\) \(with"):
+        load_job(make_job(), ["input.system_prompt_column=null", "prompts.system_file=latin1.txt"])
+    path = make_job()
+    schema = tmp_path / "schemas" / "out.json"
+    schema.write_bytes(b"\xef\xbb\xbf" + schema.read_bytes())
+    assert load_job(path).output_schema == json.loads(schema.read_text(encoding="utf-8-sig"))
+
+
 def test_an_empty_job_file_says_so(tmp_path):
     p = tmp_path / "j.yaml"
     p.write_text("# nothing yet\n")
