@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence, get_args
+from typing import Any, Literal, Optional, Sequence
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from runner.engine_checks import EngineSettingSource, check_engine_settings
@@ -19,6 +18,7 @@ from runner.overrides import apply_overrides
 from runner.prompt_spec import PromptSpec, load_prompts
 from runner.sampling_spec import SamplingSpec
 from runner.schema_file import load_schema
+from runner.spec_files import format_validation_error, read_yaml
 
 
 class InputSpec(Strict):
@@ -153,111 +153,6 @@ class Job(BaseModel):
 
 def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def format_validation_error(file: Path, exc: ValidationError, prefix: str = "") -> str:
-    """One line: `FILE: field.path: message` for the first error, with a count of the rest."""
-    import difflib
-
-    # An unknown key first: a misspelt one (id_colum) is why its field is "required" beside it.
-    errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
-    first = errors[0]
-    # a union's member names its errors (speculative.SpeculativeSpec.method, speculative.literal['auto']):
-    # the user's file has no such key
-    loc = ".".join(str(p) for p in first["loc"] if not _union_member(p))
-    loc = prefix + loc if loc else prefix.rstrip(".") or "(top level)"
-    msg = first["msg"]
-    if first["type"] == "extra_forbidden":
-        missing = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == first["loc"][:-1]]
-        # a required key left missing first (it is why that key is missing), then any key of the section
-        close = (difflib.get_close_matches(str(first["loc"][-1]), missing, n=1)
-                 or difflib.get_close_matches(str(first["loc"][-1]), _keys_at(exc.title, first["loc"][:-1]), n=1))
-        msg = "unknown key" + (f"; did you mean {close[0]}?" if close else "")
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{file}: {loc}: {msg}{more}"
-
-
-def _union_member(part: Any) -> bool:
-    """Whether a part of a pydantic error location is a union member's tag (one of the runner's
-    models, or a literal), not a key: a user's own key (MaxNumSeqs, an env variable) stays."""
-    if not isinstance(part, str):
-        return False
-    return part.startswith("literal[") or part in _model_names()
-
-
-def _keys_at(model_name: str, loc: tuple) -> list[str]:
-    """The keys of the section at `loc` in the runner's model `model_name` (JobFile, EngineConfig),
-    following its fields and union tags; none where the walk leaves the runner's models."""
-    models = _models()
-    cls = models.get(model_name)
-    for part in loc:
-        if cls is None:
-            return []
-        if isinstance(part, str) and part in models:  # a union member's tag: that member's section
-            cls = models[part]
-            continue
-        field = cls.model_fields.get(part) if isinstance(part, str) else None
-        if field is None:
-            return []
-        args = get_args(field.annotation) or (field.annotation,)
-        cls = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
-    return list(cls.model_fields) if cls else []
-
-
-def _model_names() -> set[str]:
-    return set(_models())
-
-
-def _models() -> dict[str, type]:
-    found, todo = {}, [BaseModel]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            if sub.__module__.startswith("runner.") and sub.__name__ not in found:
-                found[sub.__name__] = sub
-            todo.append(sub)
-    return found
-
-
-class _UniqueKeys(yaml.SafeLoader):
-    """YAML as safe_load reads it, but a key given twice in one mapping is refused: safe_load keeps
-    the last silently (a second `sampling:` block dropped the first's settings)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden here
-                continue
-            key, line = self.construct_object(key_node, deep=deep), key_node.start_mark.line + 1
-            try:
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"{key} is given twice (lines {seen[key]} and {line})", key_node.start_mark)
-                seen[key] = line
-            except TypeError:  # an unhashable key: the base class says so
-                break
-        return super().construct_mapping(node, deep)
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    """Read a YAML mapping, or raise SpecError naming the file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read: {exc}") from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeys)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}: " if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise SpecError(f"{path}: invalid YAML: {where}{problem}") from None
-    if data is None:
-        raise SpecError(f"{path}: the file is empty (no YAML keys)")
-    if not isinstance(data, dict):
-        raise SpecError(f"{path}: (top level): expected a mapping of keys, got {type(data).__name__}")
-    return data
 
 
 def _resolve(base: Path, rel: str) -> Path:

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from runner.errors import ModelError, SpecError
-from runner.spec import load_job, read_yaml
+from runner.spec import load_job
+from runner.spec_files import read_yaml
 
 
 def test_valid_job_resolves_paths_and_merges_engine_overrides(make_job, tmp_path, tiny_model_dir):
