@@ -35,8 +35,9 @@ def warn(message: str) -> None:
 def one_line(message: str, limit: int = 800) -> str:
     """Messages from libraries (vLLM, pydantic) can span many lines; an error is one line. Control
     characters (the NULs of binary data a library quotes) are written as escapes, not sent to the terminal."""
-    text = "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" else c for c in " ".join(message.split()))
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    text = " ".join(message.split())
+    text = text if len(text) <= limit else text[: limit - 3] + "..."  # cut first: an escape stays whole
+    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" else c for c in text)
 
 
 def table(rows: list[tuple[str, object]]) -> str:

@@ -153,6 +153,8 @@ def _killed_run_stats(r: dict) -> dict:
 
     if r["status"] != "interrupted" or not (r.get("started_at_utc") and r.get("ended_at_utc")):
         return {}
+    if r["ended_at_utc"] == r["started_at_utc"]:  # no row stored: ended at its start, its wall unknown
+        return {}
     try:
         took = datetime.fromisoformat(r["ended_at_utc"]) - datetime.fromisoformat(r["started_at_utc"])
     except (TypeError, ValueError):  # a time written by hand or by another tool: no wall rather than a traceback

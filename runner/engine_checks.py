@@ -23,14 +23,26 @@ class EngineSettingSource:
 
     def file(self, field: str) -> Path:
         """The job file where it sets the field, else the engine config file (also for a default)."""
-        return self.job_path if field in self.job_engine else self.cfg_path
+        return self.job_path if self._in_job(field) else self.cfg_path
 
     def __call__(self, field: str) -> str:
-        if field in self.job_engine:
+        """`field` may be a path into a section (speculative.prompt_lookup_max, calibration.candidates[0]):
+        sections merge key by key, so a key the job's section lacks is the engine config's."""
+        if self._in_job(field):
             return f"{self.job_path}: engine.{field}"
-        if field in self.engine.model_fields_set:
+        if field.split(".")[0].split("[")[0] in self.engine.model_fields_set:
             return f"{self.cfg_path}: {field}"
         return f"{self.cfg_path}: {field} (not set: the default)"
+
+    def _in_job(self, field: str) -> bool:
+        node: Any = self.job_engine
+        for part in field.replace("[", ".[").split("."):
+            if part.startswith("["):  # inside a list: lists are replaced whole, so it is the list's file's
+                return True
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
 
 
 def check_engine_settings(engine: EngineConfig, model_path: Path, spec: "JobFile", where: EngineSettingSource) -> None:
@@ -83,9 +95,7 @@ def _check_engine_args(extra_args: dict[str, Any], where: EngineSettingSource) -
     if unknown:
         close = difflib.get_close_matches(unknown[0], sorted(names), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        field = where("extra_args").split(": ", 1)  # the file, and the field as that file names it
-        raise SpecError(f"{field[0]}: {field[1].split(' (')[0]}.{unknown[0]}: not an argument of vllm.LLM "
-                        f"({vllm_version()}){hint}")
+        raise SpecError(f"{where(f'extra_args.{unknown[0]}')}: not an argument of vllm.LLM ({vllm_version()}){hint}")
 
 
 def _check_speculative_keys(engine: EngineConfig, where: EngineSettingSource) -> None:
@@ -109,6 +119,4 @@ def _check_speculative_keys(engine: EngineConfig, where: EngineSettingSource) ->
         at, key = unknown[0]
         close = difflib.get_close_matches(key, sorted(fields), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        field = where(at.split(".")[0].split("[")[0]).split(": ", 1)  # the file, and the field as that file names it
-        raise SpecError(f"{field[0]}: {field[1].split(' (')[0]}{at[len(at.split('.')[0].split('[')[0]):]}.{key}: "
-                        f"not a key of vLLM's speculative_config ({vllm_version()}){hint}")
+        raise SpecError(f"{where(f'{at}.{key}')}: not a key of vLLM's speculative_config ({vllm_version()}){hint}")

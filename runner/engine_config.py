@@ -197,13 +197,13 @@ EngineOverrides = create_model(
 def merge_engine(config: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     """The engine config's settings with the job's (and --set's) on top, key by key inside sections
     (calibration, speculative, extra_args): `--set engine.calibration.rows=16` keeps the config's
-    other calibration settings. A speculative section naming another method replaces the config's:
-    the old method's keys would not apply to it."""
+    other calibration settings. A speculative setting that names its `method` replaces the config's
+    whole, as it always did: another method's keys would not apply to it, and a job that gives a
+    whole setting keeps the results (and fingerprints) it had."""
     out = dict(config)
     for key, value in job.items():
         old = out.get(key)
-        if isinstance(old, dict) and isinstance(value, dict) and old.get("method", value.get("method")) == \
-                value.get("method", old.get("method")):
+        if isinstance(old, dict) and isinstance(value, dict) and "method" not in value:
             out[key] = merge_engine(old, value)
         else:
             out[key] = value

@@ -88,18 +88,14 @@ def load_prompts(p: PromptSpec, base: Path, shown: Path, system_prompt_column: O
     if unknown:
         raise SpecError(f"{shown}: prompts.user_template: unknown field {{{sorted(unknown)[0]}}}; "
                         f"use text or one of input.extra_columns")
-    if "text" in extra_columns and text_column != "text":  # {text} is the document: the column is unreachable
-        raise SpecError(f"{shown}: input.extra_columns: text names the document ({text_column}) in templates, so "
-                        "the column text cannot be used; make it input.text_column and list "
-                        f"{text_column} in input.extra_columns")
-    if not fields & {"text", text_column}:
-        raise SpecError(f"{shown}: prompts.user_template: never uses {{text}}, the document (input.text_column: "
-                        f"{text_column}): the model would not see it")
+    system_fields: set[str] = set()
     if p.system_template is not None:
-        unknown = template_fields(p.system_template, f"{shown}: prompts.system_template") - set(extra_columns)
+        system_fields = template_fields(p.system_template, f"{shown}: prompts.system_template")
+        unknown = system_fields - set(extra_columns)
         if unknown:
             raise SpecError(f"{shown}: prompts.system_template: unknown field {{{sorted(unknown)[0]}}}; "
                             f"list the column in input.extra_columns")
+    _check_the_document(shown, fields, system_fields, extra_columns, text_column)
     if p.examples and p.examples[-1].role != "assistant":
         raise SpecError(f"{shown}: prompts.examples: end with an assistant turn (the document is the next user turn)")
     reserved = sorted(set(p.chat_template_kwargs) & RESERVED_TEMPLATE_VARIABLES)
@@ -107,6 +103,19 @@ def load_prompts(p: PromptSpec, base: Path, shown: Path, system_prompt_column: O
         raise SpecError(f"{shown}: prompts.chat_template_kwargs.{reserved[0]}: set by the runner, not by the job")
     template = _read(base, p.chat_template, shown, "prompts.chat_template") if p.chat_template else None
     return LoadedPrompts(system_prompt=system, chat_template=template)
+
+
+def _check_the_document(shown: Path, user_fields: set[str], system_fields: set[str], extra_columns: list[str],
+                        text_column: str) -> None:
+    """The user template must send the document; an extra column named text must be used by the
+    system template, since in the user template {text} is the document."""
+    if "text" in extra_columns and text_column != "text" and "text" not in system_fields:
+        raise SpecError(f"{shown}: input.extra_columns: text names the document ({text_column}) in templates, so "
+                        "the column text cannot be used; make it input.text_column and list "
+                        f"{text_column} in input.extra_columns")
+    if not user_fields & {"text", text_column}:
+        raise SpecError(f"{shown}: prompts.user_template: never uses {{text}}, the document (input.text_column: "
+                        f"{text_column}): the model would not see it")
 
 
 def _read(base: Path, rel: str, shown: Path, field: str) -> str:

@@ -3,7 +3,7 @@ with the key a misspelt one is close to. Raw text stops here; spec.py validates 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Optional, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -52,12 +52,18 @@ def _keys_at(model_name: str, loc: tuple) -> list[str]:
         if isinstance(part, str) and part in models:  # a union member's tag: that member's section
             cls = models[part]
             continue
-        field = cls.model_fields.get(part) if isinstance(part, str) else None
-        if field is None:
-            return []
-        args = get_args(field.annotation) or (field.annotation,)
-        cls = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if isinstance(part, int):  # an item of a list of sections (calibration.candidates.0)
+            continue
+        field = cls.model_fields.get(part)
+        cls = _section_model(field.annotation) if field else None
     return list(cls.model_fields) if cls else []
+
+
+def _section_model(annotation: Any) -> Optional[type]:
+    """The runner's model a field holds, directly or as the items of a list (or an Optional of either)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for a in get_args(annotation) if (m := _section_model(a)) is not None), None)
 
 
 def _model_names() -> set[str]:

@@ -383,6 +383,12 @@ def test_stats_of_a_killed_run_give_its_wall_time_to_its_last_stored_row(make_jo
     assert json.loads(out.stdout)[0]["stats"]["wall_s"] == 62.5
     finished = CliRunner().invoke(cli, ["stats", str(killed - 1), "--job", path])
     assert "last stored row" not in finished.output
+    # killed before its first row: ended at its start by the next run, its wall time unknown, not 0
+    early = Store(job.database_path).begin_run(job.name, str(job.path), {})
+    run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
+    out = CliRunner().invoke(cli, ["stats", str(early), "--job", path, "--with-idle"])
+    wall = next(line.split(None, 4)[4] for line in out.output.splitlines() if line.strip().startswith("wall / "))
+    assert "interrupted" in out.output and wall == "- / -", out.output
 
 
 def test_a_run_that_fails_midway_stores_what_it_did_and_how_its_engine_was_chosen(make_job):

@@ -104,9 +104,12 @@ def test_a_job_overrides_an_engine_section_key_by_key(make_job):
     assert job.engine.extra_args == {"seed": 1, "disable_log_stats": True}
     spec = job.engine.speculative.model_dump()
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 2 and spec["prompt_lookup_max"] == 3
-    # another method is a new section; auto and null replace it whole
+    # a setting that names its method replaces the config's whole (as before: same results, same
+    # fingerprints), whatever the method; auto and null too
     job = load_job(path, ["engine.speculative={method: suffix, num_speculative_tokens: 4}"])
     assert job.engine.speculative.model_dump() == {"method": "suffix", "num_speculative_tokens": 4}
+    job = load_job(path, ["engine.speculative={method: ngram, num_speculative_tokens: 2}"])
+    assert job.engine.speculative.model_dump() == {"method": "ngram", "num_speculative_tokens": 2}
     assert load_job(path, ["engine.speculative=auto"]).engine.speculative == "auto"
     assert load_job(path, ["engine.speculative=null"]).engine.speculative is None
 
@@ -208,6 +211,8 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
     ("engine.max_num_seq=3", "job.yaml: engine.max_num_seq", "max_num_seqs"),
     ("engine.calibration.rowz=3", "job.yaml: engine.calibration.rowz", "rows"),
     ("output.commit_every_row=3", "job.yaml: output.commit_every_row", "commit_every_rows"),
+    ("engine.calibration.candidates=[{method: ngram, optins: {}}]", "job.yaml: engine.calibration.candidates.0.optins",
+     "options"),  # inside a list of sections
 ])
 def test_a_misspelt_key_is_given_the_key_it_is_close_to(make_job, setting, where, suggested):
     with pytest.raises(SpecError) as err:
@@ -237,6 +242,19 @@ def test_a_key_given_twice_is_refused_with_both_lines(make_job):
     assert read_yaml(anchors) == {"base": {"p": 1, "q": 2}, "other": {"p": 3, "q": 2}}
 
 
+def test_a_key_of_a_merged_section_is_blamed_on_the_file_that_gave_it(make_job):
+    """With sections merged key by key, a bad key the engine config holds is the config's, even
+    where the job sets another key of the same section."""
+    path = make_job(engine={"extra_args": {"swap_spac": 4}})
+    with pytest.raises(SpecError, match=r"engine\.yaml: extra_args\.swap_spac: not an argument of vllm\.LLM"):
+        load_job(path, ["engine.extra_args.seed=1"])
+    path = make_job(engine={"speculative": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mn": 2}})
+    with pytest.raises(SpecError, match=r"engine\.yaml: speculative\.prompt_lookup_mn: not a key of vLLM's"):
+        load_job(path, ["engine.speculative.num_speculative_tokens=2"])
+    with pytest.raises(SpecError, match=r"job\.yaml: engine\.extra_args\.swap_spac: not an argument"):
+        load_job(make_job(), ["engine.extra_args.swap_spac=1"])
+
+
 def test_a_template_must_send_the_document_and_text_must_not_hide_a_column(make_job):
     """A user_template without {text} sent every row without its document; an extra column named
     text could never be used ({text} is the document)."""
@@ -249,6 +267,10 @@ def test_a_template_must_send_the_document_and_text_must_not_hide_a_column(make_
     path = make_job()
     with pytest.raises(SpecError, match=r"input\.extra_columns: text names the document \(body\) in templates"):
         load_job(path, ["input.text_column=body", "input.extra_columns=[text]"])
+    # the system template is filled from the extra columns alone: there {text} is the column
+    job = load_job(path, ["input.text_column=body", "input.extra_columns=[text]", "input.system_prompt_column=null",
+                          "prompts.system_template='Summarize {text} reviews.'"])
+    assert job.spec.input.extra_columns == ["text"]
 
 
 def test_a_prompt_file_that_cannot_be_read_says_why_and_a_schema_with_a_bom_loads(make_job, tmp_path):
