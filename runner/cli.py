@@ -47,7 +47,35 @@ def reports_errors(fn):
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+_NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
+
+
+class _Commands(click.Group):
+    """The command group; a usage error (a missing option, a bad value) is one `Error:` line, as
+    every other error is, where click prints its usage, a hint and the error on 3-4 lines."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except _NO_ARGS as exc:  # `runner` alone: the help, as click shows it
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx else "runner"
+            warn(f"Error: {one_line(exc.format_message())} (see: {where} --help)")
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            warn("Aborted!")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)  # an int: the exit code of --help, --version
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="runner")
 def cli():
     """Offline batch LLM extraction over documents (Parquet, JSON Lines, CSV, OpenAI batch files), with vLLM, into SQLite.

@@ -27,6 +27,25 @@ def test_every_command_has_help_with_an_example(invoke, command):
     assert "Example:" in out.output and "runner" in out.output
 
 
+@pytest.mark.parametrize("args, message", [
+    (["prune", "job.yaml"], "Missing option '--keep-versions'. (see: runner prune --help)"),
+    (["prune", "--keep-versions", "-1", "job.yaml"], "Invalid value for '--keep-versions': -1 is not in the range"),
+    (["stats", "--last", "x"], "Invalid value for '--last': 'x' is not a valid integer range. (see: runner stats --help)"),
+    (["run"], "Missing argument 'JOB'. (see: runner run --help)"),
+    (["nope"], "No such command 'nope'. (see: runner --help)"),
+])
+def test_a_usage_error_is_one_error_line(args, message):
+    """click printed its usage, a hint and the error on 3-4 lines; every other error is one line."""
+    out = CliRunner().invoke(cli, args, prog_name="runner")
+    assert out.exit_code == 2 and out.stdout == "" and len(out.stderr.splitlines()) == 1, out.output
+    assert out.stderr.startswith("Error: ") and message in out.stderr, out.stderr
+
+
+def test_runner_alone_shows_its_help(invoke):
+    out = invoke()
+    assert out.exit_code == 2 and "Commands:" in out.output and "Error" not in out.output
+
+
 def test_validate_reports_rows_and_model(invoke, make_job):
     out = invoke("validate", make_job(rows=7))
     assert out.exit_code == 0, out.output
