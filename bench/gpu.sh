@@ -9,10 +9,10 @@
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
-# The 8B shape was last measured at e657ff3 (3 rounds of sorted, runner and vllmmasks after a warm-up
-# of plain and runner, plus one 135M runner run in round 1 and 2 extra 135M rounds of runner and
-# vllmmasks: bench/results/2026-12-02-nvidia-h200-grammar-masks.json; ~1,420 s of device time with
-# staging; an 8B round of those three took ~4.5 min, the warm-up ~5 min). A start refused by the
+# The 8B shape was last measured at fd5ce10 (rounds of plain, sorted, runner and feedback after a
+# warm-up of plain and runner: bench/results/2026-12-03-nvidia-h200-8b-feedback.json). On that host
+# staging and install took ~3.5 min, the warm-up ~7 min (plain's first compile 244 s) and a round of
+# the four ~6.5 min: 3 such rounds do not fit in 30 device minutes; plan 2, or leave plain out. A start refused by the
 # device (none free) still cost ~90 s of budget. The 135M with its calibration stored was last
 # measured at 0ad8350 (3 rounds of sorted, runner and vllmmasks after a warm-up of plain and runner,
 # then 2 more rounds of sorted and runner: bench/results/2026-12-02-nvidia-h200-135m-masks.json;
