@@ -181,7 +181,7 @@ def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Pat
     except OSError:
         mode = None  # no file yet (or a folder missing: made below)
     if mode is not None and stat.S_ISDIR(mode):
-        raise OutputFileError(f"{path}: is a folder")
+        raise OutputFileError(f"{path}: is a folder: give a file name")
     if mode is not None and not stat.S_ISREG(mode):
         try:
             write(path)

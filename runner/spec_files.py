@@ -85,19 +85,32 @@ class _UniqueKeys(yaml.SafeLoader):
     the last silently (a second `sampling:` block dropped the first's settings)."""
 
     def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
+        self._refuse_repeats(node, deep)
+        return super().construct_mapping(node, deep)
+
+    def _refuse_repeats(self, node, deep: bool) -> None:
+        seen: dict[Any, tuple[str, int]] = {}
+        for key_node, value_node in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden here
+                # An inline source (`<<: {a: 1, a: 2}`) is flattened into this mapping without being
+                # constructed as one: check it here (an alias's mapping is checked again: the same answer).
+                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for source in sources:
+                    if isinstance(source, yaml.MappingNode):
+                        self._refuse_repeats(source, deep)
                 continue
             key, line = self.construct_object(key_node, deep=deep), key_node.start_mark.line + 1
             try:
                 if key in seen:
+                    first, first_line = seen[key]
+                    # `on` and `true`, or 1 and true, are one key once read: the second replaced the first.
+                    what = (f"{key} is given twice" if first == key_node.value else
+                            f"{first} and {key_node.value} are one key once read ({key!r})")
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"{key} is given twice (lines {seen[key]} and {line})", key_node.start_mark)
-                seen[key] = line
+                        None, None, f"{what} (lines {first_line} and {line})", key_node.start_mark)
+                seen[key] = (key_node.value, line)
             except TypeError:  # an unhashable key: the base class says so
-                break
-        return super().construct_mapping(node, deep)
+                return
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

@@ -227,7 +227,7 @@ def test_a_folder_as_the_output_is_one_error_line_and_the_format_is_read_in_any_
     for args in (("export", "--job", job, "--format", "csv", "-o", tmp_path / "folder"),
                  ("report", "1", "--job", job, "-o", tmp_path / "folder")):
         out = invoke(*args)
-        assert out.exit_code == 6 and out.output == f"Error: {tmp_path / 'folder'}: is a folder\n", (args, out.output)
+        assert out.exit_code == 6 and out.output == f"Error: {tmp_path / 'folder'}: is a folder: give a file name\n", (args, out.output)
     for args in (("export", "--job", job, "--format", "csv", "-o", f"{tmp_path}/newdir/"),
                  ("report", "1", "--job", job, "-o", f"{tmp_path}/newdir/")):  # a folder not made yet
         out = invoke(*args)

@@ -242,6 +242,26 @@ def test_a_key_given_twice_is_refused_with_both_lines(make_job):
     assert read_yaml(anchors) == {"base": {"p": 1, "q": 2}, "other": {"p": 3, "q": 2}}
 
 
+def test_keys_that_read_as_one_are_refused_also_inside_an_inline_merge(tmp_path):
+    """An inline merge source is flattened without being read as a mapping of its own, so its
+    repeats went unseen; `on` and `true` (or 1 and true) are one key once read: the second replaced
+    the first, and the message called both by the Python value."""
+    path = tmp_path / "a.yaml"
+    cases = {
+        "engine:\n  <<: {rows: 4, rows: 8}\n": "line 2: rows is given twice (lines 2 and 2)",
+        "engine:\n  <<: [{a: 1}, {b: 1, b: 2}]\n": "line 2: b is given twice (lines 2 and 2)",
+        "x:\n  on: 1\n  true: 2\n": "line 3: on and true are one key once read (True) (lines 2 and 3)",
+        "x:\n  1: a\n  true: b\n": "line 3: 1 and true are one key once read (True) (lines 2 and 3)",
+    }
+    for text, said in cases.items():
+        path.write_text(text)
+        with pytest.raises(SpecError) as err:
+            read_yaml(path)
+        assert str(err.value) == f"{path}: invalid YAML: {said}"
+    path.write_text("x:\n  '1': a\n  1: b\n  <<: {p: 1}\n  p: 2\n")  # a string and a number: two keys
+    assert read_yaml(path) == {"x": {"1": "a", 1: "b", "p": 2}}
+
+
 def test_a_key_of_a_merged_section_is_blamed_on_the_file_that_gave_it(make_job):
     """With sections merged key by key, a bad key the engine config holds is the config's, even
     where the job sets another key of the same section."""
