@@ -124,6 +124,16 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
     }
 
 
+def verification_keys(key: dict) -> list[str]:
+    """The digests a verification is stored under (the first) and looked up by (in order), from a
+    calibration key: what changes greedy outputs with drafts, without the `verify` and `calibration`
+    sections, which only say how to measure (min_agreement is applied when a verification is read:
+    a stricter one must not drop the verifications made before). The second is the whole calibration
+    key, under which verifications were stored before."""
+    engine = {k: v for k, v in key.get("engine", {}).items() if k not in ("verify", "calibration")}
+    return [digest(key | {"engine": engine}), digest(key)]
+
+
 def result_fingerprint(job) -> tuple[str, dict]:
     """(fingerprint, components) of what makes a job's results: the model and its chat template,
     the prompts, the schema, the sampling, the prompt-length rule, the speculative setting as

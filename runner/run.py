@@ -20,7 +20,7 @@ from runner.engines.sequence import EngineSequence
 from runner.engines.speculation import Baseline, passes, setting_key, with_speculative
 from runner.engines.vllm_settings import job_with_grammar
 from runner.errors import SpecError
-from runner.fingerprint import calibration_key, digest
+from runner.fingerprint import calibration_key, verification_keys
 from runner.inputs import InputScan
 from runner.lock import JobLock
 from runner.prompting import PromptBuilder, builder_for
@@ -186,7 +186,7 @@ def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[J
     spec = job.engine.speculative
     if not opts.verify_gate or spec is None or spec == "auto":
         return job, None
-    v = store.latest_verification(digest(key), setting_key(spec.model_dump()))
+    v = store.latest_verification(verification_keys(key), setting_key(spec.model_dump()))
     limit = job.engine.verify.min_agreement
     if v is None or passes(v["agreement"], limit, Baseline.of(v)):
         return job, None

@@ -23,7 +23,7 @@ from runner.engines import Engine, build_engine
 from runner.engines.sequence import EngineSequence
 from runner.engines.speculation import setting_key, speculative_config, with_speculative
 from runner.engines.vllm_settings import job_with_grammar
-from runner.fingerprint import calibration_key, digest
+from runner.fingerprint import calibration_key, verification_keys
 from runner.lock import JobLock
 from runner.plan import plan_stream
 from runner.prompting import builder_for
@@ -127,7 +127,7 @@ def verify_job(job: Job, *, rows: Optional[int] = None, engine_factory: Callable
             plain = [None, None] if baseline else [None]
             # Before any engine starts, as `runner run` takes it: vLLM sets some of the environment
             # the key reads (VLLM_USE_BREAKABLE_CUDAGRAPH for some models) while it starts.
-            key = digest(calibration_key(job, scan.system_prompt_keys))
+            key = verification_keys(calibration_key(job, scan.system_prompt_keys))[0]
             outputs = [_run(greedy, engine_factory, store, rb, built, s) for s in [*plain, *settings]]
             again = outputs[1] if baseline else None
             base = round(compare(outputs[0], again, [])[0], 4) if baseline else None

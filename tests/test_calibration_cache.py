@@ -45,8 +45,10 @@ def harness(start_s=0.0, row_s=0.05, kv_blocks=100):
     def factory(j):
         k = j.engine.speculative.num_speculative_tokens if j.engine.speculative else 0
         started.append(k)
+        factory.in_process.append(j.engine.in_process)  # each engine's: in the runner's process or not
         return Timed(clock, k, start_s, row_s, kv_blocks)
 
+    factory.in_process = []
     return clock, started, factory
 
 
@@ -169,14 +171,40 @@ def test_a_job_grown_past_the_stored_cost_rule_measures(make_job):
     clock, started, factory = harness(start_s=30.0)
     run_job(auto_job(make_job, rows=40), engine_factory=factory, clock=lambda: clock.now)
     started.clear()
+    factory.in_process.clear()
     run_job(auto_job(make_job, rows=4000), engine_factory=factory, clock=lambda: clock.now)
     cal = calibration(auto_job(make_job, rows=4000).database_path)
-    assert started == [0, 4] and cal["cost_rule"]["measure"] is True and cal["chosen_draft_tokens"] == 4
+    # The stored "no drafts" started as configured (in the runner's process); measuring starts again
+    # in an engine-core process of its own, as every engine after it.
+    assert started == [0, 0, 4] and factory.in_process == [True, False, False]
+    assert cal["cost_rule"]["measure"] is True and cal["chosen_draft_tokens"] == 4
     assert "reused_calibration_id" not in cal and cal["calibration_id"] == 2
     assert cal["remeasured_because"].startswith("calibration #1 decided by cost at 0.0500 s")
     started.clear()  # the measured choice is what later runs reuse
     run_job(auto_job(make_job, rows=4000), engine_factory=factory, restart=True, clock=lambda: clock.now)
     assert started == [4] and calibration(auto_job(make_job, rows=4000).database_path)["reused_calibration_id"] == 2
+
+
+def test_a_stored_choice_runs_its_one_engine_where_the_config_says_unless_it_drafts(make_job):
+    """A reused "no drafts" needs no second engine: in the runner's process as configured (an engine
+    core of its own costs ~20 s a run on the CPU)."""
+    clock, started, factory = harness(start_s=30.0)
+    run_job(auto_job(make_job, rows=40), engine_factory=factory, clock=lambda: clock.now)  # by cost: none
+    assert factory.in_process == [False]  # a first run: every engine in its own process
+    factory.in_process.clear()
+    run_job(auto_job(make_job, rows=40), engine_factory=factory, restart=True, clock=lambda: clock.now)
+    assert factory.in_process == [True] and calibration(auto_job(make_job, rows=40).database_path)["reused_calibration_id"] == 1
+
+
+def test_a_stored_choice_with_drafts_keeps_an_engine_core_process_of_its_own(make_job):
+    job = auto_job(make_job)
+    clock, started, factory = harness()
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    assert started == [0, 4] and calibration(job.database_path)["chosen_draft_tokens"] == 4
+    started.clear()
+    factory.in_process.clear()
+    run_job(job, engine_factory=factory, restart=True, clock=lambda: clock.now)
+    assert started == [4] and factory.in_process == [False]  # vLLM could start no engine after it here
 
 
 def test_a_large_job_pays_for_calibration(make_job):

