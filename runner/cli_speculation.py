@@ -3,37 +3,40 @@ from __future__ import annotations
 
 import click
 
-from runner.cli import _engine_output, cli, reports_errors
+from runner.cli import _engine_output, cli, job_settings, reports_errors
 from runner.cli_output import say, table
 
 
 @cli.command()
 @click.argument("job", type=click.Path(dir_okay=False))
+@job_settings
 @click.option("--wait", is_flag=True, help="If the job is running, wait for it instead of exiting.")
 @click.option("--verbose", "-v", is_flag=True, help="vLLM's and torch's output to stderr instead of the job's log file.")
 @click.option("--engine", type=click.Choice(["vllm", "fake"]), default="vllm", hidden=True)
 @reports_errors
-def calibrate(job, wait, verbose, engine):
+def calibrate(job, overrides, wait, verbose, engine):
     """Measure JOB's speculative decoding on its own rows and store the choice.
 
     For engine configs with `speculative: auto`. Runs slices of the job's rows without drafts and
     with ngram drafts, keeps the faster setting, and stores it in the job's database: later runs
     with the same model, engine settings, vLLM version, device, schema, sampling and prompts start
-    one engine with it. Results of the slices are not stored.
+    one engine with it. Results of the slices are not stored. It measures whatever is stored (as
+    run --recalibrate does).
 
     \b
     Example:
-      runner calibrate jobs/summarize.yaml
+      runner calibrate nightly.yaml               # a job whose engine config says speculative: auto
+      runner calibrate --set engine.speculative=auto jobs/summarize.yaml
     """
     from runner.engines import build_engine
     from runner.errors import SpecError
     from runner.calibration_run import calibrate_job
     from runner.spec import load_job
 
-    spec = load_job(job)
+    spec = load_job(job, overrides)
     if spec.engine.speculative != "auto":
         raise SpecError(f"{spec.engine_config_path}: speculative: calibrate needs `speculative: auto` "
-                        f"(the job's engine config fixes it)")
+                        f"(the job's engine config fixes it; --set engine.speculative=auto measures anyway)")
     _, redirect = _engine_output(spec, verbose, "calibrate")
     with redirect:
         record = calibrate_job(spec, engine_factory=lambda j: build_engine(j, engine), wait=wait)
@@ -58,8 +61,9 @@ def calibrate(job, wait, verbose, engine):
               help="Also run the rows twice without drafts: a setting that changes no more outputs than the engine "
                    "changes on its own (bf16 on a GPU varies with the batch) passes.")
 @click.option("--engine", type=click.Choice(["vllm", "fake"]), default="vllm", hidden=True)
+@job_settings
 @reports_errors
-def verify(job, rows, wait, verbose, baseline, engine):
+def verify(job, rows, wait, verbose, baseline, engine, overrides):
     """Check whether JOB's speculative setting changes its greedy outputs, and store the answer.
 
     Runs the first rows of the job greedy, without drafts and with the job's speculative setting
@@ -77,7 +81,7 @@ def verify(job, rows, wait, verbose, baseline, engine):
     from runner.engines.speculation import Baseline, passes
     from runner.verify import verify_job
 
-    spec = load_job(job)
+    spec = load_job(job, overrides)
     _, redirect = _engine_output(spec, verbose, "verify")
     with redirect:
         results = verify_job(spec, rows=rows, engine_factory=lambda j: build_engine(j, engine), wait=wait,

@@ -110,6 +110,8 @@ def test_a_different_kv_cache_measures_again(make_job):
     cal = calibration(job.database_path)
     # The stored choice (4 drafts) started first, then the plain engine to measure from.
     assert started[:3] == [4, 0, 4] and "100 to 60 blocks" in cal["remeasured_because"]
+    shown = summary.speculation(json.dumps({"speculative_calibration": cal}))  # what run and stats print
+    assert "stored as calibration #2; measured again: the engine's KV cache changed from 100 to 60" in shown
 
 
 def test_a_first_run_skips_calibration_that_cannot_pay(make_job):
@@ -193,7 +195,9 @@ def test_a_stored_choice_runs_its_one_engine_where_the_config_says_unless_it_dra
     assert factory.in_process == [False]  # a first run: every engine in its own process
     factory.in_process.clear()
     run_job(auto_job(make_job, rows=40), engine_factory=factory, restart=True, clock=lambda: clock.now)
-    assert factory.in_process == [True] and calibration(auto_job(make_job, rows=40).database_path)["reused_calibration_id"] == 1
+    cal = calibration(auto_job(make_job, rows=40).database_path)
+    assert factory.in_process == [True] and cal["reused_calibration_id"] == 1
+    assert summary.speculation(json.dumps({"speculative_calibration": cal})).endswith("by the cost rule of calibration #1, reused)")
 
 
 def test_a_stored_choice_with_drafts_keeps_an_engine_core_process_of_its_own(make_job):

@@ -168,6 +168,20 @@ def test_calibrate_refuses_a_fixed_speculative_setting(invoke, make_job):
     assert out.exit_code == 2 and out.output.startswith("Error: ") and "speculative: auto" in out.output
 
 
+def test_calibrate_and_verify_take_set_as_run_does(invoke, make_job):
+    """A job whose engine config fixes its drafts is calibrated with --set engine.speculative=auto,
+    and a run with the same --set reuses what it stored; verify --set checks the setting given."""
+    job = make_job(rows=20, engine={"calibration": {"rows": 4}})  # the test config's fixed ngram
+    auto = ("--set", "engine.speculative=auto")
+    out = invoke("calibrate", "--engine", "fake", *auto, job)
+    assert out.exit_code == 0, out.output
+    assert "stored as calibration #1" in out.output
+    out = invoke("run", "--engine", "fake", *auto, job)
+    assert out.exit_code == 0 and "(calibration #1 of " in out.output and "reused" in out.output, out.output
+    out = invoke("verify", "--engine", "fake", "--rows", "4", "--set", "engine.speculative.num_speculative_tokens=2", job)
+    assert out.exit_code == 0 and "(k=2)" in out.output, out.output
+
+
 def test_python_dash_m_knows_every_command():
     """`python -m runner.cli` (what tests and the benchmark run) registers the same commands."""
     import subprocess
