@@ -125,7 +125,7 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
 
 
 def verification_keys(key: dict) -> list[str]:
-    """The digests a verification is stored under (the first) and looked up by (in order), from a
+    """The digests a verification is stored under (the first) and looked up by (both), from a
     calibration key: what changes greedy outputs with drafts, without the `verify` and `calibration`
     sections, which only say how to measure (min_agreement is applied when a verification is read:
     a stricter one must not drop the verifications made before). The second is the whole calibration

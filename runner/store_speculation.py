@@ -47,19 +47,15 @@ class SpeculationRecords:
             return conn.execute(self.verifications.insert().values(**values)).inserted_primary_key[0]
 
     def latest_verification(self, key_sha256s: list[str], setting: Optional[dict]) -> Optional[dict]:
-        """The latest verification of `setting` under the first of the keys that has one."""
+        """The latest verification of `setting` stored under any of the keys."""
         if setting is None:
             return None
         v = self.verifications.c
+        q = select(self.verifications).where(v.key_sha256.in_(key_sha256s),
+                                             v.setting_json == json.dumps(setting, sort_keys=True)).order_by(v.id.desc()).limit(1)
         with self.engine.connect() as conn:
-            for key_sha256 in key_sha256s:
-                q = select(self.verifications).where(
-                    v.key_sha256 == key_sha256,
-                    v.setting_json == json.dumps(setting, sort_keys=True)).order_by(v.id.desc()).limit(1)
-                row = conn.execute(q).mappings().first()
-                if row:
-                    return dict(row)
-        return None
+            row = conn.execute(q).mappings().first()
+            return dict(row) if row else None
 
     def save_draft(self, **values) -> int:
         values = values | {"train_json": json.dumps(values["train_json"], sort_keys=True), "created_at_utc": utc_now()}

@@ -66,13 +66,14 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
         pace = _stored_pace(cached)  # a first run's cost rule decided this key: no drafts, by cost
         speculative = json.loads(cached["speculative_json"]) if cached["speculative_json"] else None
         # A stored "no drafts" runs on one engine as configured (in the runner's process where the
-        # config says so: ~20 s less each run on the CPU); should it turn out stale, the measuring
-        # below starts again in an engine-core process of its own.
+        # config says so: ~30 s less on 16 rows on this project's CPU); should it turn out stale, the
+        # measuring below starts again in an engine-core process of its own.
         first = configured if speculative is None else job
         engines.start(with_speculative(first, speculative))
-        stale = _reuse(job, engines, ctx, cached, pace, speculative)
-        if isinstance(stale, dict):
-            return stale, source
+        reused = _reuse(job, engines, ctx, cached, pace, speculative)
+        if isinstance(reused, dict):
+            return reused, source
+        stale = reused
         if speculative is not None or first.engine.in_process:
             engines.start(with_speculative(job, None))
     else:
