@@ -22,14 +22,14 @@
 #   WARMUP="invoices/tight/135m=plain,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
 #     --repeats 3 --deadline-s 900 --cases "invoices/tight/135m=sorted,runner,<variant>"
 # Check a new configuration's outputs too (rows_valid, and errors in its results.sqlite), not only its speed.
-# The incidents workload was last measured at 1e36786 (1 round of plain, 2 of sorted and runner after a
-# warm-up of plain and runner: bench/results/2026-12-04-nvidia-h200-incidents.json); its runs take
-# ~85-120 s (plain's first compile in the warm-up 205-219 s): a round of the three ~5 min, so a whole
-# 30-minute lease holds the warm-up and 3 rounds with nothing else:
+# The incidents workload was last measured at 0956b60 (runner_first, then 3 rounds of plain, sorted and
+# runner after a warm-up of plain and runner: bench/results/2026-12-04-nvidia-h200-incidents-3rounds.json),
+# one machine for the whole plan: staging and install ~155 s of device time, the warm-up ~270 s (plain's
+# first compile 148 s), runner_first 71 s, a round of the three ~4 min (runs 68-92 s); ~1,130 s in all:
 #   WARMUP="incidents/tight/135m=plain,runner" bash bench/gpu.sh start --multi "" --repeats 3 \
 #     --deadline-s 900 --cases "incidents/tight/135m=runner_first@1;incidents/tight/135m=plain,sorted,runner"
-# That lease's first machine was gone at the poll after a `wait 280` that came back with the warm-up's
-# files (~600 s of device time lost); the second machine's `wait 270` polls kept it.
+# The lease of 1e36786 lost its first machine at the poll after a `wait 280` that came back with the
+# warm-up's files (~600 s of device time); `wait 270` polls, back to back, kept both machines since.
 # The 8B shape's plan with plain arrival (~6.5 min a round; its 8B run takes ~135 s):
 #   WARMUP="invoices/tight/8b=plain,runner" bash bench/gpu.sh start --multi "" --repeats 2 \
 #     --deadline-s 700 --cases "invoices/tight/8b=plain,sorted,runner"
