@@ -125,13 +125,16 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
 
 
 def verification_keys(key: dict) -> list[str]:
-    """The digests a verification is stored under (the first) and looked up by (both), from a
-    calibration key: what changes greedy outputs with drafts, without the `verify` and `calibration`
-    sections, which only say how to measure (min_agreement is applied when a verification is read:
-    a stricter one must not drop the verifications made before). The second is the whole calibration
-    key, under which verifications were stored before."""
+    """The digests a verification is stored under (the first) and looked up by (all, with the job's
+    name), from a calibration key: what changes greedy outputs with drafts. Left out: the `verify`
+    and `calibration` sections, which only say how to measure (min_agreement is applied when a
+    verification is read: a stricter one must not drop the verifications made before), and the
+    prompt set, which a run over part of the input (`--limit`) or a night whose rows bring another
+    system prompt changes: the job's verdict binds those runs too. The others are the keys
+    verifications were stored under before: with the prompt set, then the whole calibration key."""
     engine = {k: v for k, v in key.get("engine", {}).items() if k not in ("verify", "calibration")}
-    return [digest(key | {"engine": engine}), digest(key)]
+    measured = key | {"engine": engine}
+    return [digest({k: v for k, v in measured.items() if k != "prompt_set"}), digest(measured), digest(key)]
 
 
 def result_fingerprint(job) -> tuple[str, dict]:

@@ -168,7 +168,8 @@ def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Stor
             if opts.notify is not None:
                 opts.notify(f"{plural(len(scan.skip), 'input row')} left out (null or repeated ids; input.on_bad_row: store): "
                             f"see the rejected_rows table of {job.database_path}")
-        ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
+        ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate,
+                                 partial_input=scan.cut_by_limit)
         engines = EngineSequence(engine_factory, clock=opts.clock, let_go_last=opts.exits_after,
                                  on_start=lambda info: store.set_engine(run_id, info.backend, info.version, info.settings))
         return _execute(job, store, run_id, engines, builder, work, opts, ctx, partial)
@@ -186,7 +187,7 @@ def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[J
     spec = job.engine.speculative
     if not opts.verify_gate or spec is None or spec == "auto":
         return job, None
-    v = store.latest_verification(verification_keys(key), setting_key(spec.model_dump()))
+    v = store.latest_verification(job.name, verification_keys(key), setting_key(spec.model_dump()))
     limit = job.engine.verify.min_agreement
     if v is None or passes(v["agreement"], limit, Baseline.of(v)):
         return job, None

@@ -344,3 +344,46 @@ def test_only_the_last_engine_of_a_calibrating_run_is_let_go(make_job):
 
     run_job(job, engine_factory=watched, clock=lambda: clock.now, exits_after=True)
     assert started == [0, 4] and released == [("close", 0), ("let_go", 4)]
+
+
+def _docs_by_prompt(path, first_a: int, rows: int):
+    """A Parquet input whose first `first_a` rows share one system prompt, the rest another."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.conftest import SYSTEM_A, SYSTEM_B
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": [f"r{i:03d}" for i in range(rows)],
+                             "text": [f"Document {i}: the kettle {i} leaks." for i in range(rows)],
+                             "system_prompt": [SYSTEM_A if i < first_a else SYSTEM_B for i in range(rows)]}), path)
+    return path
+
+
+def test_a_run_over_part_of_the_input_reuses_the_whole_runs_choice(make_job, tmp_path):
+    """--limit 20 reads rows of one system prompt out of two: its key's prompt set differs from the
+    whole run's, whose stored choice it takes (a smoke run after a night must not measure again)."""
+    path = make_job(engine={"speculative": "auto", "calibration": {"rows": 8, "max_draft_tokens": 4}},
+                    docs=_docs_by_prompt(tmp_path / "data" / "split.parquet", 30, 40))
+    clock, started, factory = harness()
+    run_job(load_job(path), engine_factory=factory, clock=lambda: clock.now)
+    assert started == [0, 4]
+    started.clear()
+    s = run_job(load_job(path, ("input.limit=20",)), engine_factory=factory, restart=True, clock=lambda: clock.now)
+    cal = calibration(load_job(path).database_path)
+    assert started == [4] and s.stats["rows_total"] == 20
+    assert cal["reused_calibration_id"] == 1 and cal["reused_for_part_of_input"] is True
+    assert summary.speculation(json.dumps({"speculative_calibration": cal})).endswith("reused for a part of the input)")
+
+
+def test_a_whole_run_does_not_take_the_choice_of_a_run_over_part_of_the_input(make_job, tmp_path):
+    """The other way round the part's prompts were all it measured: the whole input measures anew."""
+    path = make_job(engine={"speculative": "auto", "calibration": {"rows": 8, "max_draft_tokens": 4}},
+                    docs=_docs_by_prompt(tmp_path / "data" / "split.parquet", 30, 40))
+    clock, started, factory = harness()
+    run_job(load_job(path, ("input.limit=20",)), engine_factory=factory, clock=lambda: clock.now)
+    assert started == [0, 4]
+    started.clear()
+    run_job(load_job(path), engine_factory=factory, clock=lambda: clock.now)
+    cal = calibration(load_job(path).database_path)
+    assert started == [0, 4] and "reused_calibration_id" not in cal and cal["calibration_id"] == 2

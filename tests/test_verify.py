@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
+import pytest
 from click.testing import CliRunner
 
 from runner.cli import cli
@@ -221,18 +222,42 @@ def test_verify_settings_change_only_the_threshold_a_run_applies_to_a_stored_ver
     assert started == [True]
 
 
-def test_a_verification_stored_under_the_whole_calibration_key_still_binds(make_job):
-    """Databases written before verifications left the verify settings out of their key."""
-    from runner.fingerprint import calibration_key, digest
+@pytest.mark.parametrize("stored_under", ["whole calibration key", "key with the prompt set"])
+def test_a_verification_stored_under_an_earlier_key_still_binds(make_job, stored_under):
+    """Databases written before verifications left out the verify settings (the whole key), then
+    before they left out the prompt set."""
+    from runner.fingerprint import calibration_key, digest, verification_keys
     from runner.readers import LocalReader
 
     job = load_job(make_job(rows=10))
     verify_job(job, rows=10, engine_factory=drifting_factory([]))
-    scan = LocalReader(job.input_path, job.spec.input).scan()
+    key = calibration_key(job, LocalReader(job.input_path, job.spec.input).scan().system_prompt_keys)
+    earlier = digest(key) if stored_under == "whole calibration key" else verification_keys(key)[1]
     con = sqlite3.connect(job.database_path)
-    con.execute("UPDATE verifications SET key_sha256 = ?", (digest(calibration_key(job, scan.system_prompt_keys)),))
+    con.execute("UPDATE verifications SET key_sha256 = ?", (earlier,))
     con.commit()
     con.close()
     started, notes = [], []
     run_job(job, engine_factory=drifting_factory(started), notify=notes.append)
     assert started == [False] and "80.0% of greedy outputs unchanged" in notes[0]
+
+
+def test_a_failed_verification_binds_a_run_over_part_of_the_input(make_job):
+    """--limit 3 takes rows of one system prompt out of two: another prompt set in the calibration
+    key, the same job's verdict (the drafts once ran there)."""
+    path = make_job(rows=10)
+    verify_job(load_job(path), rows=10, engine_factory=drifting_factory([]))
+    started, notes = [], []
+    run_job(load_job(path, ("input.limit=3",)), engine_factory=drifting_factory(started), notify=notes.append)
+    assert started == [False] and "80.0% of greedy outputs unchanged" in notes[0]
+
+
+def test_another_jobs_verification_does_not_bind(make_job):
+    """The same model, engine, schema and sampling in one database: each job's verdict is its own."""
+    job = load_job(make_job(rows=10))
+    verify_job(job, rows=10, engine_factory=drifting_factory([]))
+    other = load_job(make_job(rows=10, job={"name": "other"}))
+    assert other.database_path == job.database_path
+    started = []
+    run_job(other, engine_factory=drifting_factory(started))
+    assert started == [True]
