@@ -11,7 +11,7 @@ from runner.engines import Engine, build_engine
 from runner.engines.calibrate import CalibrationContext, calibrate
 from runner.engines.sequence import EngineSequence
 from runner.engines.vllm_settings import job_with_grammar
-from runner.fingerprint import calibration_key
+from runner.fingerprint import calibration_key, prompt_keys
 from runner.lock import JobLock
 from runner.prompting import builder_for
 from runner.readers import LocalReader
@@ -40,7 +40,7 @@ def _calibrate(job: Job, engine_factory: Callable[[Job], Engine], wait: bool, cl
             collector = ResultCollector(job, store, None, RequestBuilder(job, builder), None, None,
                                         keep_results=False, clock=clock)
             ahead = build_ahead(job, collector.rb, None, scan.skip)
-            ctx = CalibrationContext(store, calibration_key(job, scan.system_prompt_keys), scan.rows, None, force=True)
+            ctx = CalibrationContext(store, calibration_key(job, prompt_keys(job, scan)), scan.rows, None, force=True)
             record, _ = calibrate(job, engines, collector, collector.requests(ahead), ctx)
         finally:
             if ahead is not None:

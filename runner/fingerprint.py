@@ -124,17 +124,41 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
     }
 
 
+# The engine settings a verification is keyed by: what the model computes from (the weights' type
+# and source, the length, the guided-decoding backend, vLLM's other arguments, the split across GPUs).
+# Scheduling (batch sizes, the KV cache, admission, graphs) is left out: a smoke run with
+# `--set engine.max_num_seqs=8` is bound by the verdict on the job's drafts as configured.
+VERIFIED_ENGINE = ("dtype", "load_format", "max_model_len", "structured_output_backend", "extra_args",
+                   "tensor_parallel_size")
+
+
 def verification_keys(key: dict) -> list[str]:
     """The digests a verification is stored under (the first) and looked up by (all, with the job's
-    name), from a calibration key: what changes greedy outputs with drafts. Left out: the `verify`
-    and `calibration` sections, which only say how to measure (min_agreement is applied when a
-    verification is read: a stricter one must not drop the verifications made before), and the
-    prompt set, which a run over part of the input (`--limit`) or a night whose rows bring another
-    system prompt changes: the job's verdict binds those runs too. The others are the keys
-    verifications were stored under before: with the prompt set, then the whole calibration key."""
-    engine = {k: v for k, v in key.get("engine", {}).items() if k not in ("verify", "calibration")}
-    measured = key | {"engine": engine}
-    return [digest({k: v for k, v in measured.items() if k != "prompt_set"}), digest(measured), digest(key)]
+    name), from a calibration key: what changes greedy outputs with drafts. Left out: the prompt set,
+    which a run over part of the input (`--limit`) or a night whose rows bring another system prompt
+    changes, and the engine's scheduling (VERIFIED_ENGINE keeps the rest): the job's verdict binds
+    those runs too. `min_agreement` is applied when a verification is read (a stricter one must not
+    drop the verifications made before). The others are the keys verifications were stored under by
+    earlier versions: the calibration key less `verify` and `calibration`, then the whole key (they
+    bind only runs with the prompts and engine settings they were made with)."""
+    engine = key.get("engine", {})
+    verified = {k: v for k, v in key.items() if k not in ("prompt_set", "engine")}
+    verified["engine"] = {k: engine[k] for k in VERIFIED_ENGINE if k in engine}
+    measured = key | {"engine": {k: v for k, v in engine.items() if k not in ("verify", "calibration")}}
+    return [digest(verified), digest(measured), digest(key)]
+
+
+def prompt_keys(job, scan) -> set[str]:
+    """The system prompts of the job's whole input, for the calibration key's prompt set: the
+    scan's, or where a row limit cut the scan short (`--limit`) and speculation is set, from a pass
+    over the system prompt column alone, so that a smoke run keys its choice as the whole run does."""
+    spec = job.spec.input
+    if not scan.cut_by_limit or not spec.system_prompt_column or job.engine.speculative is None:
+        return scan.system_prompt_keys
+    from runner.inputs import system_prompt_keys
+    from runner.readers import LocalReader
+
+    return system_prompt_keys(LocalReader(job.input_path, spec.model_copy(update={"limit": None})))
 
 
 def result_fingerprint(job) -> tuple[str, dict]:

@@ -139,8 +139,6 @@ def scan_input(reader: Reader, keep_ids: bool = False) -> InputScan:
 
 
 def _scan(reader: Reader, seen: RowIds) -> InputScan:
-    import pyarrow.compute as pc
-
     spec = reader.spec
     scan = InputScan(files=[], rows=0, ids=seen, system_prompt_keys=set())
     for file, batch in reader.batches():
@@ -154,8 +152,7 @@ def _scan(reader: Reader, seen: RowIds) -> InputScan:
                 if sp.null_count and spec.on_bad_row == "fail":
                     raise InputError(f"{file}: column {spec.system_prompt_column!r} has "
                                      f"{plural(sp.null_count, 'null system prompt')}")
-                if len(scan.system_prompt_keys) < MAX_PROMPT_KEYS:
-                    scan.system_prompt_keys.update(group_key(v) for v in pc.unique(sp).to_pylist() if v is not None)
+                _add_keys(scan.system_prompt_keys, sp)
             for c in spec.extra_columns:
                 _extra_column(file, batch, c)  # bytes that are not UTF-8 stop the run here
         except NotUtf8 as exc:
@@ -173,6 +170,22 @@ def _scan(reader: Reader, seen: RowIds) -> InputScan:
     scan.files = reader.files()
     scan.rows -= len(scan.skip)
     return scan
+
+
+def _add_keys(keys: set[str], prompts) -> None:
+    """The group keys of a column of system prompts, up to MAX_PROMPT_KEYS in all."""
+    import pyarrow.compute as pc
+
+    if len(keys) < MAX_PROMPT_KEYS:
+        keys.update(group_key(v) for v in pc.unique(prompts).to_pylist() if v is not None)
+
+
+def system_prompt_keys(reader: Reader) -> set[str]:
+    """The group keys of the system prompts a reader's rows hold, read from that column alone."""
+    spec, keys = reader.spec, set()
+    for file, batch in reader.batches([spec.system_prompt_column]):
+        _add_keys(keys, _text_column(file, batch, spec.system_prompt_column, "input.system_prompt_column"))
+    return keys
 
 
 MAX_REJECTED_KEPT = 10_000  # rejected rows listed in the database; more are only counted

@@ -20,7 +20,7 @@ from runner.engines.sequence import EngineSequence
 from runner.engines.speculation import Baseline, passes, setting_key, with_speculative
 from runner.engines.vllm_settings import job_with_grammar
 from runner.errors import SpecError
-from runner.fingerprint import calibration_key, verification_keys
+from runner.fingerprint import calibration_key, prompt_keys, verification_keys
 from runner.inputs import InputScan
 from runner.lock import JobLock
 from runner.prompting import PromptBuilder, builder_for
@@ -140,7 +140,7 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
             opts.notify(f"running {plural(work.redone, 'stored row')} again: " + (restarted[1] if restarted else
                 "--retry-failed" if opts.retry_failed else
                 "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"))
-        key = calibration_key(job, scan.system_prompt_keys)
+        key = calibration_key(job, prompt_keys(job, scan))
         job, gated = _verify_gate(job, store, key, opts)
         if gated:
             work.notes.append(gated)
@@ -168,8 +168,7 @@ def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Stor
             if opts.notify is not None:
                 opts.notify(f"{plural(len(scan.skip), 'input row')} left out (null or repeated ids; input.on_bad_row: store): "
                             f"see the rejected_rows table of {job.database_path}")
-        ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate,
-                                 partial_input=scan.cut_by_limit)
+        ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
         engines = EngineSequence(engine_factory, clock=opts.clock, let_go_last=opts.exits_after,
                                  on_start=lambda info: store.set_engine(run_id, info.backend, info.version, info.settings))
         return _execute(job, store, run_id, engines, builder, work, opts, ctx, partial)

@@ -22,21 +22,6 @@ class SpeculationRecords:
             row = conn.execute(q).mappings().first()
             return dict(row) if row else None
 
-    def latest_calibration_like(self, job_name: str, key: dict, ignoring: str, scan: int = 500) -> Optional[dict]:
-        """The job's newest calibration whose key equals `key` but for the part `ignoring` (among
-        its last `scan` calibrations), or None."""
-        def canonical(k: dict) -> str:  # as the key was written (tuples read back as lists)
-            return json.dumps({n: v for n, v in k.items() if n != ignoring}, sort_keys=True, default=str)
-
-        want = canonical(json.loads(json.dumps(key, sort_keys=True, default=str)))
-        c = self.calibrations.c
-        q = select(self.calibrations).where(c.job_name == job_name).order_by(c.id.desc()).limit(scan)
-        with self.engine.connect() as conn:
-            for row in conn.execute(q).mappings():
-                if canonical(json.loads(row["key_json"] or "{}")) == want:
-                    return dict(row)
-        return None
-
     def save_calibration(self, *, key: dict, key_sha256: str, job_name: str, run_id: Optional[int],
                          chosen_draft_tokens: int, speculative: Optional[dict], kv_total_blocks: Optional[int],
                          engine_start_s: Optional[float], record: dict) -> int:

@@ -27,10 +27,10 @@ def speculation(choice_json: Optional[str]) -> str:
     what = f"{k} draft tokens" if k else "off"
     if cal.get("decided_by") == "cost_rule":  # drafts were not measured: the rule's reason is the news
         ref = cal.get("reused_calibration_id") or cal.get("calibration_id")
-        again = ", reused" + _part(cal) if "reused_calibration_id" in cal else ""
+        again = ", reused" if "reused_calibration_id" in cal else ""
         return f"{what} ({cal.get('skipped', 'not worth measuring')}; by the cost rule of calibration #{ref}{again})"
     if "reused_calibration_id" in cal:
-        return f"{what} (calibration #{cal['reused_calibration_id']} of {cal['measured_at_utc'][:10]}, reused{_part(cal)})"
+        return f"{what} (calibration #{cal['reused_calibration_id']} of {cal['measured_at_utc'][:10]}, reused)"
     if "calibration_id" in cal and "skipped" in cal:  # decided without measuring (a batch over max_batch)
         return f"{what} ({cal['skipped']}; stored as calibration #{cal['calibration_id']})"
     if "calibration_id" in cal:
@@ -38,10 +38,6 @@ def speculation(choice_json: Optional[str]) -> str:
         return (f"{what} (measured in {cal.get('calibration_s', 0):.1f} s, stored as calibration "
                 f"#{cal['calibration_id']}{why})")
     return f"{what} ({cal.get('skipped', 'not measured')})"
-
-
-def _part(cal: dict) -> str:
-    return " for a part of the input" if cal.get("reused_for_part_of_input") else ""
 
 
 def stats_lines(s: dict, statuses: dict[str, int]) -> list[tuple[str, str]]:

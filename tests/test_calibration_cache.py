@@ -346,44 +346,75 @@ def test_only_the_last_engine_of_a_calibrating_run_is_let_go(make_job):
     assert started == [0, 4] and released == [("close", 0), ("let_go", 4)]
 
 
-def _docs_by_prompt(path, first_a: int, rows: int):
-    """A Parquet input whose first `first_a` rows share one system prompt, the rest another."""
+def _docs_by_prompt(path, counts: list[int]):
+    """A Parquet input of blocks of rows, block i under system prompt i."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from tests.conftest import SYSTEM_A, SYSTEM_B
 
+    prompts = [p for p, n in zip((SYSTEM_A, SYSTEM_B, "You read kettle reviews."), counts) for _ in range(n)]
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"id": [f"r{i:03d}" for i in range(rows)],
-                             "text": [f"Document {i}: the kettle {i} leaks." for i in range(rows)],
-                             "system_prompt": [SYSTEM_A if i < first_a else SYSTEM_B for i in range(rows)]}), path)
+    pq.write_table(pa.table({"id": [f"r{i:03d}" for i in range(len(prompts))],
+                             "text": [f"Document {i}: the kettle {i} leaks." for i in range(len(prompts))],
+                             "system_prompt": prompts}), path)
     return path
 
 
-def test_a_run_over_part_of_the_input_reuses_the_whole_runs_choice(make_job, tmp_path):
-    """--limit 20 reads rows of one system prompt out of two: its key's prompt set differs from the
-    whole run's, whose stored choice it takes (a smoke run after a night must not measure again)."""
+def test_a_run_over_part_of_the_input_keys_its_choice_by_the_whole_inputs_prompts(make_job, tmp_path):
+    """--limit 20 reads rows of one system prompt out of two: its choice is the whole run's (a smoke
+    run after a night measures nothing), and the whole input gaining a prompt past the limit is a
+    new key, as it is for a whole run."""
+    docs = tmp_path / "data" / "split.parquet"
     path = make_job(engine={"speculative": "auto", "calibration": {"rows": 8, "max_draft_tokens": 4}},
-                    docs=_docs_by_prompt(tmp_path / "data" / "split.parquet", 30, 40))
+                    docs=_docs_by_prompt(docs, [30, 10]))
     clock, started, factory = harness()
     run_job(load_job(path), engine_factory=factory, clock=lambda: clock.now)
     assert started == [0, 4]
     started.clear()
     s = run_job(load_job(path, ("input.limit=20",)), engine_factory=factory, restart=True, clock=lambda: clock.now)
-    cal = calibration(load_job(path).database_path)
     assert started == [4] and s.stats["rows_total"] == 20
-    assert cal["reused_calibration_id"] == 1 and cal["reused_for_part_of_input"] is True
-    assert summary.speculation(json.dumps({"speculative_calibration": cal})).endswith("reused for a part of the input)")
+    assert calibration(load_job(path).database_path)["reused_calibration_id"] == 1
+    _docs_by_prompt(docs, [30, 10, 5])  # new rows, after the limit, under a new prompt
+    started.clear()
+    run_job(load_job(path, ("input.limit=20",)), engine_factory=factory, restart=True, clock=lambda: clock.now)
+    assert started == [0, 4] and calibration(load_job(path).database_path)["calibration_id"] == 2
 
 
-def test_a_whole_run_does_not_take_the_choice_of_a_run_over_part_of_the_input(make_job, tmp_path):
-    """The other way round the part's prompts were all it measured: the whole input measures anew."""
+def test_a_whole_run_reuses_the_choice_a_run_over_part_of_the_input_measured(make_job, tmp_path):
+    """Measuring reads slices of the rows either way: the key, not the rows read, decides reuse."""
     path = make_job(engine={"speculative": "auto", "calibration": {"rows": 8, "max_draft_tokens": 4}},
-                    docs=_docs_by_prompt(tmp_path / "data" / "split.parquet", 30, 40))
+                    docs=_docs_by_prompt(tmp_path / "data" / "split.parquet", [30, 10]))
     clock, started, factory = harness()
     run_job(load_job(path, ("input.limit=20",)), engine_factory=factory, clock=lambda: clock.now)
     assert started == [0, 4]
     started.clear()
     run_job(load_job(path), engine_factory=factory, clock=lambda: clock.now)
-    cal = calibration(load_job(path).database_path)
-    assert started == [0, 4] and "reused_calibration_id" not in cal and cal["calibration_id"] == 2
+    assert started == [4] and calibration(load_job(path).database_path)["reused_calibration_id"] == 1
+
+
+def test_a_stored_choice_of_drafts_that_verification_failed_since_is_measured_again(make_job):
+    """runner verify after the choice: its verdict binds the stored drafts as it binds candidates;
+    --no-verify keeps them."""
+    from runner.engines.speculation import setting_key
+    from runner.fingerprint import verification_keys
+    from runner.store import Store
+
+    job = auto_job(make_job)
+    clock, started, factory = harness()
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    assert started == [0, 4]
+    speculative, key = sqlite3.connect(job.database_path).execute(
+        "SELECT speculative_json, key_json FROM calibrations").fetchone()
+    store = Store(job.database_path)
+    store.save_verification(key_sha256=verification_keys(json.loads(key))[0], setting=setting_key(json.loads(speculative)),
+                            job_name=job.name, rows=10, agreement=0.8, field_agreement={}, differences=[])
+    store.close()
+    started.clear()
+    run_job(job, engine_factory=factory, restart=True, clock=lambda: clock.now)
+    cal = calibration(job.database_path)
+    assert started == [0] and cal["chosen_draft_tokens"] == 0 and cal["skipped"] == "no candidate passed verification"
+    assert cal["remeasured_because"].startswith("runner verify found calibration #1's ngram drafts left 80.0%")
+    started.clear()
+    run_job(job, engine_factory=factory, restart=True, verify_gate=False, clock=lambda: clock.now)
+    assert started == [4] and calibration(job.database_path)["reused_calibration_id"] == 1

@@ -179,3 +179,26 @@ def test_a_prefetch_dropped_unread_stops_its_thread():
     gc.collect()
     thread.join(2.0)
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "jsonl"])
+def test_the_system_prompts_of_the_whole_input_are_read_past_a_limit(tmp_path, fmt):
+    """A --limit run keys its calibration by the whole input's prompts (runner/fingerprint.py): the
+    scan stops at the limit, the column's own pass does not."""
+    import json
+
+    from runner.inputs import system_prompt_keys
+    from runner.plan import group_key
+
+    rows = [{"id": f"r{i}", "text": f"t{i}", "system_prompt": "A" if i < 6 else "B"} for i in range(8)]
+    f = tmp_path / f"d.{fmt}"
+    if fmt == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), f, row_group_size=3)
+    elif fmt == "csv":
+        f.write_text("id,text,system_prompt\n" + "".join(f"{r['id']},{r['text']},{r['system_prompt']}\n" for r in rows))
+    else:
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    limited = SPEC.model_copy(update={"limit": 4})
+    scan = LocalReader(str(f), limited).scan()
+    assert scan.cut_by_limit and scan.system_prompt_keys == {group_key("A")}
+    assert system_prompt_keys(LocalReader(str(f), SPEC)) == {group_key("A"), group_key("B")}

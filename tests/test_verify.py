@@ -261,3 +261,17 @@ def test_another_jobs_verification_does_not_bind(make_job):
     started = []
     run_job(other, engine_factory=drifting_factory(started))
     assert started == [True]
+
+
+def test_a_failed_verification_binds_a_smoke_run_with_other_engine_settings(make_job):
+    """`runner run --limit 20 --set engine.max_num_seqs=8`, as the help suggests: scheduling
+    settings are not in a verification's key."""
+    path = make_job(rows=10)
+    verify_job(load_job(path), rows=10, engine_factory=drifting_factory([]))
+    started, notes = [], []
+    run_job(load_job(path, ("input.limit=4", "engine.max_num_seqs=4", "engine.kv_pacing=false")),
+            engine_factory=drifting_factory(started), notify=notes.append)
+    assert started == [False] and "80.0% of greedy outputs unchanged" in notes[0]
+    started.clear()
+    run_job(load_job(path, ("engine.max_model_len=512",)), engine_factory=drifting_factory(started), restart=True)
+    assert started == [True]  # the length is a setting the model computes with: another key

@@ -9,7 +9,7 @@ runs without drafts and costs nothing more. Otherwise it runs slices of the job'
 longest draft length. From each one's per-position acceptance and the throughputs, it predicts
 every shorter length, keeps the best candidate and length, and measures a predicted length before
 trusting it. A candidate whose stored verification (`runner verify`) changed too many greedy
-outputs is not measured.
+outputs is not measured, and a stored choice of it is measured again.
 
 Fixed costs are paid once: a measured choice is stored in the job's database under a key of what
 decides it (runner/fingerprint.py) and a later run with the same key starts one engine. A first
@@ -43,9 +43,6 @@ class CalibrationContext:
     run_id: Optional[int] = None
     force: bool = False  # measure even when a choice is stored, and whatever it costs
     verify_gate: bool = True  # leave out settings a stored verification failed (--no-verify: keep them)
-    # A row limit stopped the input's scan: the run's prompt set is a part of the job's, so a choice
-    # the job stored for another prompt set (its whole input) serves where none is stored for this one.
-    partial_input: bool = False
 
     @property
     def key_sha256(self) -> str:
@@ -63,9 +60,9 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
     # fails re-registering kernels): each engine gets an engine-core process of its own.
     job = job.model_copy(update={"engine": job.engine.model_copy(update={"in_process": False})})
     t0 = engines.clock()
-    cached = None if ctx.force else _stored_choice(ctx, job.name)
-    stale = None
-    if cached is not None:
+    cached = None if ctx.force else ctx.store.latest_calibration(ctx.key_sha256)
+    stale = _verified_out(job, ctx, cached)
+    if cached is not None and stale is None:
         pace = _stored_pace(cached)  # a first run's cost rule decided this key: no drafts, by cost
         speculative = json.loads(cached["speculative_json"]) if cached["speculative_json"] else None
         # A stored "no drafts" runs on one engine as configured (in the runner's process where the
@@ -96,15 +93,6 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
     return record, source
 
 
-def _stored_choice(ctx: CalibrationContext, job_name: str) -> Optional[dict]:
-    """The newest choice stored under the key; for a run over part of the input, else the job's
-    newest for the same key with another prompt set (a `--limit` smoke run after a whole run)."""
-    found = ctx.store.latest_calibration(ctx.key_sha256)
-    if found is None and ctx.partial_input:
-        found = ctx.store.latest_calibration_like(job_name, ctx.key, ignoring="prompt_set")
-    return found
-
-
 def _reuse(job: Job, engines, ctx: CalibrationContext, cached: dict, pace: Optional[float],
            speculative: Optional[dict]):
     """The record of a stored choice applied on the engine started with it, or (a str) why it is
@@ -114,8 +102,6 @@ def _reuse(job: Job, engines, ctx: CalibrationContext, cached: dict, pace: Optio
         return f"the engine's KV cache changed from {cached['kv_total_blocks']} to {kv} blocks"
     reused = {"key_sha256": ctx.key_sha256, "reused_calibration_id": cached["id"],
               "measured_at_utc": cached["created_at_utc"]}
-    if cached["key_sha256"] != ctx.key_sha256:  # stored for another prompt set: this run reads part of the input
-        reused["reused_for_part_of_input"] = True
     if pace is None:
         return {"chosen_draft_tokens": cached["chosen_draft_tokens"], "chosen": speculative} | reused
     skip = _skip_by_stored_pace(job, engines, ctx, pace)
@@ -217,14 +203,34 @@ def _candidates(job: Job, ctx: CalibrationContext, gate: bool = True) -> tuple[l
         elif model:
             model = str(resolve_model(model, job.engine_config_path.parent))
         c = candidate(spec, model, cal.max_draft_tokens)
-        v = ctx.store.latest_verification(job.name, verification_keys(ctx.key), setting_key(c.base)) \
-            if gate and ctx.verify_gate else None
-        if v is not None and not passes(v["agreement"], verify.min_agreement, Baseline.of(v)):
+        v = _failed_verification(job, ctx, setting_key(c.base)) if gate else None
+        if v is not None:
             excluded.append(f"{c.name} (verified: {v['agreement']:.1%} of greedy outputs unchanged, "
                             f"verify.min_agreement {verify.min_agreement:.0%})")
             continue
         out.append(c)
     return out, excluded
+
+
+def _failed_verification(job: Job, ctx: CalibrationContext, setting: Optional[dict]) -> Optional[dict]:
+    """The job's stored verification of a speculative setting where it failed (and the gate is on)."""
+    if not ctx.verify_gate or setting is None:
+        return None
+    v = ctx.store.latest_verification(job.name, verification_keys(ctx.key), setting)
+    ok = v is None or passes(v["agreement"], job.engine.verify.min_agreement, Baseline.of(v))
+    return None if ok else v
+
+
+def _verified_out(job: Job, ctx: CalibrationContext, cached: Optional[dict]) -> Optional[str]:
+    """Why a stored choice of drafts may not run again: a verification made since failed them (the
+    gate binds stored choices as it binds candidates); None where it stands."""
+    speculative = json.loads(cached["speculative_json"]) if cached and cached["speculative_json"] else None
+    v = _failed_verification(job, ctx, setting_key(speculative))
+    if v is None:
+        return None
+    return (f"runner verify found calibration #{cached['id']}'s {speculative.get('method')} drafts left "
+            f"{v['agreement']:.1%} of greedy outputs unchanged (verify.min_agreement "
+            f"{job.engine.verify.min_agreement:.0%})")
 
 
 def _worth_measuring(cal, per_row_s: float, start_s: float, rows_left: int, candidates: int = 1) -> dict:
