@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 from functools import lru_cache
@@ -125,40 +126,55 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
 
 
 # The engine settings a verification is keyed by: what the model computes from (the weights' type
-# and source, the length, the guided-decoding backend, vLLM's other arguments, the split across GPUs).
-# Scheduling (batch sizes, the KV cache, admission, graphs) is left out: a smoke run with
-# `--set engine.max_num_seqs=8` is bound by the verdict on the job's drafts as configured.
-VERIFIED_ENGINE = ("dtype", "load_format", "max_model_len", "structured_output_backend", "extra_args",
-                   "tensor_parallel_size")
+# and source, the guided-decoding backend, vLLM's other arguments, the split across GPUs). Scheduling
+# (batch sizes, the KV cache, admission, graphs), the length and the sampling are left out: a smoke
+# run with `--set engine.max_num_seqs=8` or another max_tokens is bound by the verdict on the job's
+# drafts. They are kept in `verification_settings`, which decides whether a later pass lifts a failure.
+VERIFIED_ENGINE = ("dtype", "load_format", "structured_output_backend", "extra_args", "tensor_parallel_size")
 
 
 def verification_keys(key: dict) -> list[str]:
     """The digests a verification is stored under (the first) and looked up by (all, with the job's
-    name), from a calibration key: what changes greedy outputs with drafts. Left out: the prompt set,
-    which a run over part of the input (`--limit`) or a night whose rows bring another system prompt
-    changes, and the engine's scheduling (VERIFIED_ENGINE keeps the rest): the job's verdict binds
-    those runs too. `min_agreement` is applied when a verification is read (a stricter one must not
-    drop the verifications made before). The others are the keys verifications were stored under by
-    earlier versions: the calibration key less `verify` and `calibration`, then the whole key (they
-    bind only runs with the prompts and engine settings they were made with)."""
+    name), from a calibration key: the model, VERIFIED_ENGINE, vLLM, the device's model (not how
+    many are visible), the schema. Left out: the prompt set, which a run over part of the input
+    (`--limit`) or a night whose rows bring another system prompt changes, and what `VERIFIED_ENGINE`
+    says. The others are the keys verifications were stored under by earlier versions: the
+    calibration key less `verify` and `calibration`, then the whole key (they bind only runs with
+    the prompts and settings they were made with)."""
     engine = key.get("engine", {})
-    verified = {k: v for k, v in key.items() if k not in ("prompt_set", "engine")}
-    verified["engine"] = {k: engine[k] for k in VERIFIED_ENGINE if k in engine}
-    measured = key | {"engine": {k: v for k, v in engine.items() if k not in ("verify", "calibration")}}
-    return [digest(verified), digest(measured), digest(key)]
+    verified = {k: v for k, v in key.items() if k not in ("prompt_set", "engine", "sampling", "device")}
+    verified |= {"engine": {k: engine[k] for k in VERIFIED_ENGINE if k in engine},
+                 "device": re.sub(r"^\d+x | x\d+$", "", key.get("device", ""))}
+    return [digest(verified), digest(_measured(key)), digest(key)]
+
+
+def verification_settings(key: dict) -> str:
+    """What a verification ran with besides its key and prompts (scheduling, sampling, the GPUs
+    seen): a failure is lifted only by a later pass made with the same, over as many rows."""
+    return digest({k: v for k, v in _measured(key).items() if k != "prompt_set"})[:16]
+
+
+def _measured(key: dict) -> dict:
+    """A calibration key less its `verify` and `calibration` sections (how to measure)."""
+    return key | {"engine": {k: v for k, v in key.get("engine", {}).items() if k not in ("verify", "calibration")}}
 
 
 def prompt_keys(job, scan) -> set[str]:
     """The system prompts of the job's whole input, for the calibration key's prompt set: the
-    scan's, or where a row limit cut the scan short (`--limit`) and speculation is set, from a pass
-    over the system prompt column alone, so that a smoke run keys its choice as the whole run does."""
+    scan's, or for `speculative: auto` where a row limit cut the scan short (`--limit`), from a pass
+    over the system prompt column alone, so that a smoke run keys its choice as the whole run does.
+    Where that column cannot be read past the limit, the scan's (the smoke run measures its own)."""
     spec = job.spec.input
-    if not scan.cut_by_limit or not spec.system_prompt_column or job.engine.speculative is None:
+    if not scan.cut_by_limit or not spec.system_prompt_column or job.engine.speculative != "auto":
         return scan.system_prompt_keys
+    from runner.errors import InputError
     from runner.inputs import system_prompt_keys
     from runner.readers import LocalReader
 
-    return system_prompt_keys(LocalReader(job.input_path, spec.model_copy(update={"limit": None})))
+    try:
+        return system_prompt_keys(LocalReader(job.input_path, spec.model_copy(update={"limit": None})))
+    except InputError:
+        return scan.system_prompt_keys
 
 
 def result_fingerprint(job) -> tuple[str, dict]:

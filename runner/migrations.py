@@ -239,10 +239,16 @@ def m012_document_tokens_cut(conn: Connection) -> None:
         conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN document_tokens_cut INTEGER")
 
 
+def m013_verification_settings(conn: Connection) -> None:
+    # What a verification ran with besides its key (scheduling, sampling, the GPUs seen): a failure
+    # is lifted only by a later pass made with the same. NULL for verifications made before.
+    conn.exec_driver_sql("ALTER TABLE verifications ADD COLUMN settings_sha256 TEXT")
+
+
 MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations, m005_fingerprints,
               m006_verifications_and_drafts, m007_output_token_ids, m008_rejected_rows,
               m009_verification_discordant_rows, m010_history_by_run, m011_samples_failed_rows,
-              m012_document_tokens_cut]
+              m012_document_tokens_cut, m013_verification_settings]
 
 
 def utc_now() -> str:

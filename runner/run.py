@@ -17,7 +17,7 @@ from runner.collect import Progress, ResultCollector
 from runner.engines import Engine, build_engine
 from runner.engines.calibrate import CalibrationContext, calibrate
 from runner.engines.sequence import EngineSequence
-from runner.engines.speculation import Baseline, passes, setting_key, with_speculative
+from runner.engines.speculation import binding_failure, setting_key, with_speculative
 from runner.engines.vllm_settings import job_with_grammar
 from runner.errors import SpecError
 from runner.fingerprint import calibration_key, prompt_keys, verification_keys
@@ -186,9 +186,9 @@ def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[J
     spec = job.engine.speculative
     if not opts.verify_gate or spec is None or spec == "auto":
         return job, None
-    v = store.latest_verification(job.name, verification_keys(key), setting_key(spec.model_dump()))
     limit = job.engine.verify.min_agreement
-    if v is None or passes(v["agreement"], limit, Baseline.of(v)):
+    v = binding_failure(store.verifications_of(job.name, verification_keys(key), setting_key(spec.model_dump())), limit)
+    if v is None:
         return job, None
     base = "" if v["baseline_agreement"] is None else \
         f", more than the engine changes on its own ({v['baseline_agreement']:.1%} without drafts, twice)"

@@ -35,27 +35,29 @@ class SpeculationRecords:
 
     # -- verifications and drafts -------------------------------------------------------------
     def save_verification(self, *, key_sha256: str, setting: dict, job_name: str, rows: int, agreement: float,
-                          field_agreement: dict, differences: list, baseline_agreement: Optional[float] = None,
+                          field_agreement: dict, differences: list, settings_sha256: Optional[str] = None,
+                          baseline_agreement: Optional[float] = None,
                           rows_changed_by_drafts_only: Optional[int] = None,
                           rows_changed_by_engine_only: Optional[int] = None) -> int:
         values = dict(key_sha256=key_sha256, setting_json=json.dumps(setting, sort_keys=True), job_name=job_name,
                       rows=rows, agreement=agreement, field_agreement_json=json.dumps(field_agreement, sort_keys=True),
                       differences_json=json.dumps(differences, ensure_ascii=False), created_at_utc=utc_now(),
-                      baseline_agreement=baseline_agreement, rows_changed_by_drafts_only=rows_changed_by_drafts_only,
+                      settings_sha256=settings_sha256, baseline_agreement=baseline_agreement,
+                      rows_changed_by_drafts_only=rows_changed_by_drafts_only,
                       rows_changed_by_engine_only=rows_changed_by_engine_only)
         with self._tx() as conn:
             return conn.execute(self.verifications.insert().values(**values)).inserted_primary_key[0]
 
-    def latest_verification(self, job_name: str, key_sha256s: list[str], setting: Optional[dict]) -> Optional[dict]:
-        """The job's latest verification of `setting` stored under any of the keys."""
+    def verifications_of(self, job_name: str, key_sha256s: list[str], setting: Optional[dict],
+                         most: int = 100) -> list[dict]:
+        """The job's verifications of `setting` stored under any of the keys, newest first."""
         if setting is None:
-            return None
+            return []
         v = self.verifications.c
         q = select(self.verifications).where(v.job_name == job_name, v.key_sha256.in_(key_sha256s),
-                                             v.setting_json == json.dumps(setting, sort_keys=True)).order_by(v.id.desc()).limit(1)
+                                             v.setting_json == json.dumps(setting, sort_keys=True)).order_by(v.id.desc()).limit(most)
         with self.engine.connect() as conn:
-            row = conn.execute(q).mappings().first()
-            return dict(row) if row else None
+            return [dict(row) for row in conn.execute(q).mappings()]
 
     def save_draft(self, **values) -> int:
         values = values | {"train_json": json.dumps(values["train_json"], sort_keys=True), "created_at_utc": utc_now()}

@@ -25,19 +25,19 @@ def speculation(choice_json: Optional[str]) -> str:
         return "as configured"
     k = cal.get("chosen_draft_tokens", 0)
     what = f"{k} draft tokens" if k else "off"
+    why = f"; measured again: {cal['remeasured_because']}" if cal.get("remeasured_because") else ""
     if cal.get("decided_by") == "cost_rule":  # drafts were not measured: the rule's reason is the news
         ref = cal.get("reused_calibration_id") or cal.get("calibration_id")
         again = ", reused" if "reused_calibration_id" in cal else ""
-        return f"{what} ({cal.get('skipped', 'not worth measuring')}; by the cost rule of calibration #{ref}{again})"
+        return f"{what} ({cal.get('skipped', 'not worth measuring')}; by the cost rule of calibration #{ref}{again}{why})"
     if "reused_calibration_id" in cal:
         return f"{what} (calibration #{cal['reused_calibration_id']} of {cal['measured_at_utc'][:10]}, reused)"
-    if "calibration_id" in cal and "skipped" in cal:  # decided without measuring (a batch over max_batch)
-        return f"{what} ({cal['skipped']}; stored as calibration #{cal['calibration_id']})"
+    if "calibration_id" in cal and "skipped" in cal:  # decided without measuring drafts (a batch over max_batch)
+        return f"{what} ({cal['skipped']}; stored as calibration #{cal['calibration_id']}{why})"
     if "calibration_id" in cal:
-        why = f"; measured again: {cal['remeasured_because']}" if cal.get("remeasured_because") else ""
         return (f"{what} (measured in {cal.get('calibration_s', 0):.1f} s, stored as calibration "
                 f"#{cal['calibration_id']}{why})")
-    return f"{what} ({cal.get('skipped', 'not measured')})"
+    return f"{what} ({cal.get('skipped', 'not measured')}{why})"
 
 
 def stats_lines(s: dict, statuses: dict[str, int]) -> list[tuple[str, str]]:

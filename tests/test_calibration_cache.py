@@ -415,6 +415,14 @@ def test_a_stored_choice_of_drafts_that_verification_failed_since_is_measured_ag
     cal = calibration(job.database_path)
     assert started == [0] and cal["chosen_draft_tokens"] == 0 and cal["skipped"] == "no candidate passed verification"
     assert cal["remeasured_because"].startswith("runner verify found calibration #1's ngram drafts left 80.0%")
-    started.clear()
+    assert summary.speculation(json.dumps({"speculative_calibration": cal})).endswith(
+        "stored as calibration #2; measured again: runner verify found calibration #1's ngram drafts left "
+        "80.0% of greedy outputs unchanged (verify.min_agreement 99%))")
+    started.clear()  # "none passed" is stored: one engine, no slice, until a candidate passes
+    factory.in_process.clear()
+    run_job(job, engine_factory=factory, restart=True, clock=lambda: clock.now)
+    assert started == [0] and factory.in_process == [True] and calibration(job.database_path)["reused_calibration_id"] == 2
+    started.clear()  # --no-verify lets the candidate pass: measured again, drafts chosen
     run_job(job, engine_factory=factory, restart=True, verify_gate=False, clock=lambda: clock.now)
-    assert started == [4] and calibration(job.database_path)["reused_calibration_id"] == 1
+    cal = calibration(job.database_path)
+    assert started == [0, 4] and cal["chosen_draft_tokens"] == 4 and "one passes now" in cal["remeasured_because"]

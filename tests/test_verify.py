@@ -65,27 +65,6 @@ def test_a_run_drops_a_setting_that_failed_verification_unless_told_not_to(make_
     assert started == [True]
 
 
-def test_a_failed_verification_binds_runs_where_vllm_sets_the_environment_while_it_starts(make_job, monkeypatch):
-    """vLLM sets VLLM_USE_BREAKABLE_CUDAGRAPH in the process for some models while it starts: verify
-    keys what it stores as a run will look it up, before any engine starts."""
-    from runner.fingerprint import ENGINE_ENVIRONMENT
-
-    for name in ENGINE_ENVIRONMENT:
-        monkeypatch.delenv(name, raising=False)
-    job = load_job(make_job(rows=10))
-    drifting = drifting_factory([])
-
-    def setting_env(j):
-        monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
-        return drifting(j)
-
-    verify_job(job, rows=10, engine_factory=setting_env)
-    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")  # a new process: vLLM has not started yet
-    started, notes = [], []
-    run_job(job, engine_factory=drifting_factory(started), notify=notes.append)
-    assert started == [False] and "80.0% of greedy outputs unchanged" in notes[0]
-
-
 def test_auto_leaves_out_a_candidate_that_failed_verification(make_job):
     auto = {"speculative": "auto", "calibration": {"rows": 3, "candidates": [{"method": "ngram", "max_draft_tokens": 3,
                                                                           "options": {"prompt_lookup_max": 3}}]}}
@@ -273,5 +252,34 @@ def test_a_failed_verification_binds_a_smoke_run_with_other_engine_settings(make
             engine_factory=drifting_factory(started), notify=notes.append)
     assert started == [False] and "80.0% of greedy outputs unchanged" in notes[0]
     started.clear()
-    run_job(load_job(path, ("engine.max_model_len=512",)), engine_factory=drifting_factory(started), restart=True)
-    assert started == [True]  # the length is a setting the model computes with: another key
+    run_job(load_job(path, ("engine.max_model_len=512", "sampling.max_tokens=32")), engine_factory=drifting_factory(started),
+            restart=True)
+    assert started == [False]  # the length and the sampling neither
+    started.clear()
+    run_job(load_job(path, ("engine.dtype=float32",)), engine_factory=drifting_factory(started), restart=True)
+    assert started == [True]  # the weights' type is what the model computes with: another key
+
+
+def steady_factory(started: list):
+    """Engines whose drafts change nothing (a verification of them passes)."""
+    def factory(j):
+        started.append(j.engine.speculative is not None)
+        return FakeEngine(SCHEMA, respond=lambda r: json.dumps({"summary": f"fake {r.row_id}", "sentiment": "neutral"}))
+    return factory
+
+
+@pytest.mark.parametrize("again, lifted", [
+    ((), True),                              # the same settings, as many rows: lifted
+    (("engine.max_num_seqs=1",), False),     # one request at a time: drafts that change batches may not
+    (("engine.verify.rows=4",), False),      # fewer rows than the failure
+])
+def test_a_later_pass_lifts_a_failure_only_with_the_same_settings_and_as_many_rows(make_job, again, lifted):
+    path = make_job(rows=10)
+    verify_job(load_job(path), rows=10, engine_factory=drifting_factory([]))
+    rows = 4 if "engine.verify.rows=4" in again else 10
+    [v] = verify_job(load_job(path, tuple(s for s in again if "verify.rows" not in s)), rows=rows,
+                     engine_factory=steady_factory([]))
+    assert v.agreement == 1.0
+    started = []
+    run_job(load_job(path), engine_factory=drifting_factory(started))
+    assert started == [lifted]

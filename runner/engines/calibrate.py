@@ -26,7 +26,7 @@ from typing import Iterator, Optional
 
 from runner.engines.base import Request
 from runner.engines.sequence import Phase
-from runner.engines.speculation import (Baseline, Candidate, candidate, choose, passes, setting_key, speculative_config,
+from runner.engines.speculation import (Candidate, binding_failure, candidate, choose, setting_key, speculative_config,
                                          with_speculative)
 from runner.fingerprint import digest, verification_keys
 from runner.models import resolve_model
@@ -141,8 +141,10 @@ def _measure(job: Job, engines, loop, source: Iterator[Request], ctx: Calibratio
     base |= {"cost_rule": worth, "excluded": excluded}
     if not candidates or (not ctx.force and not worth["measure"]):
         rec = _without_drafts(worth, candidates)
-        # Decided by cost: stored (no drafts) with the pace measured, for later runs to decide by.
-        return base | rec, source, ({} if "decided_by" in rec else None)
+        # Decided by cost: stored (no drafts) with the pace measured, for later runs to decide by;
+        # no candidate passed: stored too, until one does (_verified_out), so that later runs start
+        # one engine as configured instead of measuring a slice for nothing.
+        return base | rec, source, {}
     trials = []
     for c in candidates:
         if taken.short:
@@ -216,15 +218,25 @@ def _failed_verification(job: Job, ctx: CalibrationContext, setting: Optional[di
     """The job's stored verification of a speculative setting where it failed (and the gate is on)."""
     if not ctx.verify_gate or setting is None:
         return None
-    v = ctx.store.latest_verification(job.name, verification_keys(ctx.key), setting)
-    ok = v is None or passes(v["agreement"], job.engine.verify.min_agreement, Baseline.of(v))
-    return None if ok else v
+    return binding_failure(ctx.store.verifications_of(job.name, verification_keys(ctx.key), setting),
+                           job.engine.verify.min_agreement)
+
+
+NONE_PASSED = "no candidate passed verification"
 
 
 def _verified_out(job: Job, ctx: CalibrationContext, cached: Optional[dict]) -> Optional[str]:
-    """Why a stored choice of drafts may not run again: a verification made since failed them (the
-    gate binds stored choices as it binds candidates); None where it stands."""
-    speculative = json.loads(cached["speculative_json"]) if cached and cached["speculative_json"] else None
+    """Why a stored choice may not run again: a verification made since failed its drafts (the gate
+    binds stored choices as it binds candidates), or it is "no drafts" because none passed and one
+    does now. None where it stands."""
+    if cached is None:
+        return None
+    speculative = json.loads(cached["speculative_json"]) if cached["speculative_json"] else None
+    if speculative is None:
+        none_passed = json.loads(cached.get("record_json") or "{}").get("skipped") == NONE_PASSED
+        if none_passed and _candidates(job, ctx)[0]:
+            return f"calibration #{cached['id']} found no candidate that passed runner verify; one passes now"
+        return None
     v = _failed_verification(job, ctx, setting_key(speculative))
     if v is None:
         return None
@@ -250,7 +262,7 @@ def _without_drafts(worth: dict, candidates: list) -> dict:
     """The record of running without drafts: no candidate passed verification, or (decided_by
     cost_rule) measuring them cannot pay."""
     if not candidates:
-        return {"chosen_draft_tokens": 0, "skipped": "no candidate passed verification"}
+        return {"chosen_draft_tokens": 0, "skipped": NONE_PASSED}
     return {"chosen_draft_tokens": 0, "decided_by": "cost_rule",
             "skipped": f"measuring drafts would cost about {worth['cost_s']:.0f} s of engine starts, more than "
                        f"the {worth['win_s']:.0f} s they could save on the {worth['rows_left']} rows left"}

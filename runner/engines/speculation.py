@@ -30,6 +30,23 @@ def setting_key(speculative: Optional[dict]) -> Optional[dict]:
     return {k: v for k, v in speculative.items() if k != "num_speculative_tokens"} if speculative else None
 
 
+def binding_failure(verifications: list[dict], min_agreement: float) -> Optional[dict]:
+    """Of a setting's stored verifications (newest first), the failure that keeps it from running:
+    a failure stands until a later pass over at least as many rows, made with the same settings
+    (`settings_sha256`; any, for a failure stored before they were recorded), lifts it. None where
+    every failure is lifted, or none failed. A pass under other settings (one request at a time, a
+    handful of rows) lifts nothing: drafts that change outputs in batches may not in those."""
+    ok = [passes(v["agreement"], min_agreement, Baseline.of(v)) for v in verifications]
+    for i, f in enumerate(verifications):
+        if ok[i]:
+            continue
+        lifted = any(ok[j] and v["rows"] >= f["rows"] and f.get("settings_sha256") in (None, v.get("settings_sha256"))
+                     for j, v in enumerate(verifications[:i]))
+        if not lifted:
+            return f
+    return None
+
+
 @dataclass(frozen=True)
 class Baseline:
     """`runner verify --baseline`: how the drafts' changes compare with the engine's own, row by row."""
