@@ -20,7 +20,7 @@ from runner.engines.sequence import EngineSequence
 from runner.engines.speculation import binding_failure, setting_key, with_speculative
 from runner.engines.vllm_settings import job_with_grammar
 from runner.errors import SpecError
-from runner.fingerprint import calibration_key, prompt_keys, verification_keys
+from runner.fingerprint import calibration_key, prompt_keys, verification_keys, verification_settings
 from runner.inputs import InputScan
 from runner.lock import JobLock
 from runner.prompting import PromptBuilder, builder_for
@@ -187,7 +187,8 @@ def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[J
     if not opts.verify_gate or spec is None or spec == "auto":
         return job, None
     limit = job.engine.verify.min_agreement
-    v = binding_failure(store.verifications_of(job.name, verification_keys(key), setting_key(spec.model_dump())), limit)
+    v = binding_failure(store.verifications_of(job.name, verification_keys(key), setting_key(spec.model_dump())),
+                        limit, verification_settings(key), job.engine.verify.rows)
     if v is None:
         return job, None
     base = "" if v["baseline_agreement"] is None else \

@@ -49,7 +49,7 @@ class SpeculationRecords:
             return conn.execute(self.verifications.insert().values(**values)).inserted_primary_key[0]
 
     def verifications_of(self, job_name: str, key_sha256s: list[str], setting: Optional[dict],
-                         most: int = 100) -> list[dict]:
+                         most: int = 1000) -> list[dict]:
         """The job's verifications of `setting` stored under any of the keys, newest first."""
         if setting is None:
             return []

@@ -425,4 +425,4 @@ def test_a_stored_choice_of_drafts_that_verification_failed_since_is_measured_ag
     started.clear()  # --no-verify lets the candidate pass: measured again, drafts chosen
     run_job(job, engine_factory=factory, restart=True, verify_gate=False, clock=lambda: clock.now)
     cal = calibration(job.database_path)
-    assert started == [0, 4] and cal["chosen_draft_tokens"] == 4 and "one passes now" in cal["remeasured_because"]
+    assert started == [0, 4] and cal["chosen_draft_tokens"] == 4 and "--no-verify checks none" in cal["remeasured_because"]

@@ -283,3 +283,38 @@ def test_a_later_pass_lifts_a_failure_only_with_the_same_settings_and_as_many_ro
     started = []
     run_job(load_job(path), engine_factory=drifting_factory(started))
     assert started == [lifted]
+
+
+def test_a_pass_made_with_a_runs_own_settings_lifts_an_older_failure_for_that_run(make_job):
+    """The job's config changed since its drafts failed: verified again and passing as it now runs,
+    the drafts run; a run with the old settings is still bound by the old failure."""
+    path = make_job(rows=10)
+    verify_job(load_job(path), rows=10, engine_factory=drifting_factory([]))
+    changed = ("engine.max_num_seqs=4", "sampling.max_tokens=32")
+    verify_job(load_job(path, changed), rows=10, engine_factory=steady_factory([]))
+    started = []
+    run_job(load_job(path, changed), engine_factory=drifting_factory(started))
+    assert started == [True]
+    started.clear()
+    run_job(load_job(path), engine_factory=drifting_factory(started), restart=True)
+    assert started == [False]
+
+
+def test_which_failure_binds():
+    """binding_failure on stored rows (newest first): only a later pass lifts, with enough rows
+    (as many as the failure, or verify.rows) and the failure's settings or the run's."""
+    from runner.engines.speculation import binding_failure
+
+    def v(i, agreement, rows, settings):
+        return {"id": i, "agreement": agreement, "rows": rows, "settings_sha256": settings, "baseline_agreement": None}
+
+    fail = v(1, 0.8, 64, "a")
+    assert binding_failure([v(2, 1.0, 64, "a"), fail], 0.99, "a", 64) is None
+    assert binding_failure([fail, v(0, 1.0, 64, "a")], 0.99, "a", 64) == fail      # a pass before it
+    assert binding_failure([v(2, 1.0, 8, "a"), fail], 0.99, "a", 64) == fail       # too few rows
+    assert binding_failure([v(2, 1.0, 64, "b"), fail], 0.99, "a", 64) == fail      # other settings than both
+    assert binding_failure([v(2, 1.0, 64, "b"), fail], 0.99, "b", 64) is None      # the run's own settings
+    assert binding_failure([v(2, 1.0, 64, "a"), v(1, 0.8, 200, "a")], 0.99, "a", 64) is None  # verify.rows is enough
+    assert binding_failure([v(2, 1.0, 64, "b"), v(1, 0.8, 64, None)], 0.99, "c", 64) is None  # settings not recorded
+    older = v(0, 0.7, 64, "b")  # lifted by nothing (the run's settings are neither): binds beneath a lifted one
+    assert binding_failure([v(2, 1.0, 64, "a"), fail, older], 0.99, "c", 64) == older

@@ -28,7 +28,7 @@ from runner.engines.base import Request
 from runner.engines.sequence import Phase
 from runner.engines.speculation import (Candidate, binding_failure, candidate, choose, setting_key, speculative_config,
                                          with_speculative)
-from runner.fingerprint import digest, verification_keys
+from runner.fingerprint import digest, verification_keys, verification_settings
 from runner.models import resolve_model
 from runner.spec import Job
 
@@ -219,7 +219,7 @@ def _failed_verification(job: Job, ctx: CalibrationContext, setting: Optional[di
     if not ctx.verify_gate or setting is None:
         return None
     return binding_failure(ctx.store.verifications_of(job.name, verification_keys(ctx.key), setting),
-                           job.engine.verify.min_agreement)
+                           job.engine.verify.min_agreement, verification_settings(ctx.key), job.engine.verify.rows)
 
 
 NONE_PASSED = "no candidate passed verification"
@@ -228,15 +228,17 @@ NONE_PASSED = "no candidate passed verification"
 def _verified_out(job: Job, ctx: CalibrationContext, cached: Optional[dict]) -> Optional[str]:
     """Why a stored choice may not run again: a verification made since failed its drafts (the gate
     binds stored choices as it binds candidates), or it is "no drafts" because none passed and one
-    does now. None where it stands."""
+    does now (or --no-verify checks none). None where it stands."""
     if cached is None:
         return None
     speculative = json.loads(cached["speculative_json"]) if cached["speculative_json"] else None
     if speculative is None:
-        none_passed = json.loads(cached.get("record_json") or "{}").get("skipped") == NONE_PASSED
-        if none_passed and _candidates(job, ctx)[0]:
-            return f"calibration #{cached['id']} found no candidate that passed runner verify; one passes now"
-        return None
+        if json.loads(cached.get("record_json") or "{}").get("skipped") != NONE_PASSED:
+            return None
+        if not _candidates(job, ctx)[0]:
+            return None
+        why = "one passes now" if ctx.verify_gate else "--no-verify checks none"
+        return f"calibration #{cached['id']} found no candidate that passed runner verify; {why}"
     v = _failed_verification(job, ctx, setting_key(speculative))
     if v is None:
         return None

@@ -30,19 +30,22 @@ def setting_key(speculative: Optional[dict]) -> Optional[dict]:
     return {k: v for k, v in speculative.items() if k != "num_speculative_tokens"} if speculative else None
 
 
-def binding_failure(verifications: list[dict], min_agreement: float) -> Optional[dict]:
-    """Of a setting's stored verifications (newest first), the failure that keeps it from running:
-    a failure stands until a later pass over at least as many rows, made with the same settings
-    (`settings_sha256`; any, for a failure stored before they were recorded), lifts it. None where
-    every failure is lifted, or none failed. A pass under other settings (one request at a time, a
-    handful of rows) lifts nothing: drafts that change outputs in batches may not in those."""
+def binding_failure(verifications: list[dict], min_agreement: float, settings: Optional[str],
+                    enough_rows: int) -> Optional[dict]:
+    """Of a setting's stored verifications (newest first), the failure that keeps it from running
+    now, with `settings` (fingerprint.verification_settings). A failure stands until a later pass
+    lifts it: one over as many rows (or `enough_rows`, the job's verify.rows), made with the
+    failure's settings or with the run's own (any, for a failure stored before they were recorded).
+    A pass under other settings (one request at a time) or over a handful of rows lifts nothing:
+    drafts that change outputs in batches may not change them alone. None where no failure stands."""
+    def lifts(p: dict, f: dict) -> bool:
+        made_with = f.get("settings_sha256")
+        return p["rows"] >= min(f["rows"], enough_rows) and (
+            made_with is None or p.get("settings_sha256") in (made_with, settings))
+
     ok = [passes(v["agreement"], min_agreement, Baseline.of(v)) for v in verifications]
     for i, f in enumerate(verifications):
-        if ok[i]:
-            continue
-        lifted = any(ok[j] and v["rows"] >= f["rows"] and f.get("settings_sha256") in (None, v.get("settings_sha256"))
-                     for j, v in enumerate(verifications[:i]))
-        if not lifted:
+        if not ok[i] and not any(ok[j] and lifts(p, f) for j, p in enumerate(verifications[:i])):
             return f
     return None
 
