@@ -15,12 +15,12 @@ from typing import Callable, Iterator, Optional
 
 from runner.collect import Progress, ResultCollector
 from runner.engines import Engine, build_engine
-from runner.engines.calibrate import CalibrationContext, calibrate
+from runner.engines.calibrate import CalibrationContext, calibrate, failed_verification
 from runner.engines.sequence import EngineSequence
-from runner.engines.speculation import binding_failure, setting_key, with_speculative
+from runner.engines.speculation import setting_key, with_speculative
 from runner.engines.vllm_settings import job_with_grammar
 from runner.errors import SpecError
-from runner.fingerprint import calibration_key, prompt_keys, verification_keys, verification_settings
+from runner.fingerprint import calibration_key, prompt_keys
 from runner.inputs import InputScan
 from runner.lock import JobLock
 from runner.prompting import PromptBuilder, builder_for
@@ -187,8 +187,7 @@ def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[J
     if not opts.verify_gate or spec is None or spec == "auto":
         return job, None
     limit = job.engine.verify.min_agreement
-    v = binding_failure(store.verifications_of(job.name, verification_keys(key), setting_key(spec.model_dump())),
-                        limit, verification_settings(key), job.engine.verify.rows)
+    v = failed_verification(store, job, key, setting_key(spec.model_dump()))
     if v is None:
         return job, None
     base = "" if v["baseline_agreement"] is None else \

@@ -132,7 +132,7 @@ def verify_job(job: Job, *, rows: Optional[int] = None, engine_factory: Callable
             outputs = [_run(greedy, engine_factory, store, rb, built, s) for s in [*plain, *settings]]
             again = outputs[1] if baseline else None
             base = round(compare(outputs[0], again, [])[0], 4) if baseline else None
-            return [_record(store, job, (key, ran_with), s, outputs[0], out, again, base)
+            return [_record(store, job, key, ran_with, s, outputs[0], out, again, base)
                     for s, out in zip(settings, outputs[len(plain):])]
         finally:
             store.close()
@@ -149,7 +149,7 @@ def _run(job: Job, engine_factory, store: Store, rb: RequestBuilder, built: list
     return collector.recorded
 
 
-def _record(store: Store, job: Job, key: tuple[str, str], setting: dict, without: dict, with_: dict,
+def _record(store: Store, job: Job, key: str, ran_with: str, setting: dict, without: dict, with_: dict,
             again: Optional[dict], base: Optional[float]) -> Verification:
     """Compare and store; with --baseline, `again` is the second run without drafts and `base` the
     share of rows it agrees with the first on."""
@@ -161,7 +161,7 @@ def _record(store: Store, job: Job, key: tuple[str, str], setting: dict, without
         v.baseline_agreement = base
         v.rows_changed_by_drafts_only, v.rows_changed_by_engine_only = discordant(without, again, with_)
     v.verification_id = store.save_verification(
-        key_sha256=key[0], settings_sha256=key[1], setting=v.setting, job_name=job.name, rows=v.rows, agreement=v.agreement,
+        key_sha256=key, settings_sha256=ran_with, setting=v.setting, job_name=job.name, rows=v.rows, agreement=v.agreement,
         field_agreement=v.field_agreement, differences=v.differences, baseline_agreement=v.baseline_agreement,
         rows_changed_by_drafts_only=v.rows_changed_by_drafts_only,
         rows_changed_by_engine_only=v.rows_changed_by_engine_only)

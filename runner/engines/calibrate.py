@@ -214,12 +214,19 @@ def _candidates(job: Job, ctx: CalibrationContext, gate: bool = True) -> tuple[l
     return out, excluded
 
 
-def _failed_verification(job: Job, ctx: CalibrationContext, setting: Optional[dict]) -> Optional[dict]:
-    """The job's stored verification of a speculative setting where it failed (and the gate is on)."""
-    if not ctx.verify_gate or setting is None:
+def failed_verification(store, job: Job, key: dict, setting: Optional[dict]) -> Optional[dict]:
+    """The job's stored verification that keeps a speculative setting from running under the
+    calibration key `key` (speculation.binding_failure), or None. `runner run`'s gate for a fixed
+    setting and `auto`'s for its candidates and stored choices."""
+    if setting is None:
         return None
-    return binding_failure(ctx.store.verifications_of(job.name, verification_keys(ctx.key), setting),
-                           job.engine.verify.min_agreement, verification_settings(ctx.key), job.engine.verify.rows)
+    return binding_failure(store.verifications_of(job.name, verification_keys(key), setting),
+                           job.engine.verify.min_agreement, verification_settings(key), job.engine.verify.rows)
+
+
+def _failed_verification(job: Job, ctx: CalibrationContext, setting: Optional[dict]) -> Optional[dict]:
+    """failed_verification, where the gate is on (not --no-verify)."""
+    return failed_verification(ctx.store, job, ctx.key, setting) if ctx.verify_gate else None
 
 
 NONE_PASSED = "no candidate passed verification"
