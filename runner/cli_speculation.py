@@ -69,7 +69,9 @@ def verify(job, rows, wait, verbose, baseline, engine, overrides):
     Runs the first rows of the job greedy, without drafts and with the job's speculative setting
     (with `speculative: auto`, each candidate), and compares the extractions: the share of rows
     that came out the same, the agreement per field, and the rows that differ. Runs do not use a
-    setting that agreed on fewer rows than verify.min_agreement (0.99), unless run --no-verify.
+    setting that agreed on fewer rows than verify.min_agreement (0.99), unless run --no-verify,
+    until a later verify passes over as many rows with the failure's settings or the run's own
+    (scheduling and sampling included).
 
     \b
     Example:
