@@ -98,6 +98,18 @@ streams)
       --workdir /tmp/rb$i > /tmp/bench-$i.log 2>&1 < /dev/null &
   done
   sleep 20; tail -n 2 /tmp/bench-0.log /tmp/bench-1.log ;;
+profile)
+  # py-spy (a wheel carried beside the parts: python3 -m zipfile -e .gpu/py_spy-*.whl /tmp/site) over
+  # one more runner run: the last measured runner run's job again over all its rows (--restart, its
+  # calibration stored), the engine core's process included; poll with BENCH="-m runner.cli" ... wait.
+  src=$(ls -d /tmp/rb/runs/*-runner-r* | sort | tail -1)
+  rm -rf /tmp/prof && cp -r "$src" /tmp/prof && rm -f /tmp/prof/*.lock && cd /tmp/proj
+  spy=$(ls /tmp/site/py_spy-*.data/scripts/py-spy) && chmod +x "$spy" || exit 1
+  export PYTHONPATH=/tmp/site:/tmp/proj
+  setsid nohup "$spy" record --subprocesses --nonblocking --idle --threads --rate 100 --format raw \
+    --output /tmp/prof-runner.txt -- python3 -m runner.cli run --restart /tmp/prof/job.yaml \
+    > /tmp/prof.log 2>&1 < /dev/null &
+  sleep 20; tail -n 3 /tmp/prof.log ;;
 wait)
   end=$(( $(date +%s) + $2 ))
   while [ "$(date +%s)" -lt "$end" ] && pgrep -f "python3 $BENCH" >/dev/null; do sleep 5; done
@@ -105,7 +117,7 @@ wait)
   # Every run's engine core is shut down and waited for: nothing may still hold the GPU.
   echo "GPU processes now: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
   grep -hE "doc/s|ERROR|Error|failed|runs planned|Traceback" /tmp/bench.log /tmp/bench-*.log 2>/dev/null | tail -40
-  cp /tmp/e2e*.json /tmp/bench*.log /tmp/warmup.json /tmp/warmup.log /tmp/importtime.txt "$OUT"/ 2>/dev/null
+  cp /tmp/e2e*.json /tmp/prof*.txt /tmp/prof.log /tmp/bench*.log /tmp/warmup.json /tmp/warmup.log /tmp/importtime.txt "$OUT"/ 2>/dev/null
   # every run's own logs (vLLM's engine log among them), for what the results' excerpts leave out
   (cd /tmp && tar czf "$OUT/run-logs.tgz" --exclude='*.sqlite' --exclude='*.sqlite-*' --exclude='*.jsonl' --exclude='*.parquet' rb*/runs 2>/dev/null) ;;
 esac
