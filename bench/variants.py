@@ -29,7 +29,9 @@ NO_COMPILE = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 BREAKABLE = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
 # v1runner: vLLM 0.26 runs Llama models on its V2 model runner by default, which pins each step's
 # token masks anew (a profile of plain vLLM: 446 of 3,304 engine-core samples); V1 is the other.
-VARIANT_ENV = {"breakable": BREAKABLE, "bigbreakable": BREAKABLE, "v1runner": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
+VARIANT_ENV = {"breakable": BREAKABLE, "bigbreakable": BREAKABLE, "v1runner": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+               # the runner without its bytecode cache (runner/bytecode.py): imports as plain vLLM does
+               "nobytecode": {"RUNNER_BYTECODE_CACHE": "0"}}
 
 
 @functools.lru_cache(maxsize=None)  # asked under the scheduler's lock
@@ -74,6 +76,7 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "breakable": ({}, {}),  # the GPU config, with VARIANT_ENV's
         "bigbreakable": ({"cuda_graph_sizes": BIG_GRAPH_SIZES}, {}),
         "v1runner": ({}, {}),  # the GPU config, with VARIANT_ENV's
+        "nobytecode": ({}, {}),  # the GPU config, with VARIANT_ENV's
         # vLLM's engine core in the runner's process (the CPU config's setting): no core process to
         # fork, connect and shut down at exit; the driver's loop and the core's steps then share a thread.
         "inproc": ({"in_process": True}, {}),

@@ -109,13 +109,16 @@ def test_breakable_alone_adds_vllms_breakable_graphs_to_its_process(tmp_path, mo
     monkeypatch.setattr(tasks, "run_group", fake_run)
     a = argparse.Namespace(workdir=str(tmp_path), docs=8, multi_docs=8, model=str(tiny_model_dir), platform="cpu",
                            tight_blocks=64, tight_blocks_8b=64, engine_set=[], task_timeout=5)
-    for config in ("runner", "breakable", "bigbreakable"):
+    for config in ("runner", "breakable", "bigbreakable", "nobytecode"):
         r = tasks.execute(a, tasks.Task("invoices/tight/135m", config, 1), {}, {"PATH": "/bin"})
         assert r["rc"] == 1
     envs = {Path(k).parent.name: v for k, v in seen.items()}
     assert envs["invoices-tight-135m-breakable-r1"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"
     assert envs["invoices-tight-135m-bigbreakable-r1"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"
     assert "VLLM_USE_BREAKABLE_CUDAGRAPH" not in envs["invoices-tight-135m-runner-r1"]
+    # nobytecode: the runner without its bytecode cache (runner/bytecode.py), and only it
+    assert envs["invoices-tight-135m-nobytecode-r1"]["RUNNER_BYTECODE_CACHE"] == "0"
+    assert all("RUNNER_BYTECODE_CACHE" not in e for k, e in envs.items() if "nobytecode" not in k)
     assert all(e["PATH"] == "/bin" for e in envs.values())
 
 

@@ -240,6 +240,12 @@ def test_real_tight_kv_cache_admits_only_what_fits(make_job, tmp_path, speculati
     assert (0 < loop["mean_kv_counted"] <= 1) if speculative is None else loop["mean_kv_counted"] is None
     start = json.loads(choice)["engine_starts_s"][0]  # the engine's start, split: import wait + LLM(...)
     assert 0 < kv["start"]["llm_init_s"] <= start and kv["start"]["import_wait_s"] + kv["start"]["llm_init_s"] <= start
+    # runner/bytecode.py: a prefix of the runner's only where this venv's torch or vLLM lacks bytecode
+    # Python may not write (pip compiles it at install: then Python's own place is kept)
+    from runner.bytecode import missing_bytecode
+
+    made = kv["start"]["bytecode_cache"]
+    assert made["set_by_runner"] == bool(missing_bytecode()) and (made["prefix"] is None) != made["set_by_runner"]
 
 
 def test_real_outputs_of_one_length_are_paced(make_job, tmp_path):

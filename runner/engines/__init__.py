@@ -17,9 +17,11 @@ def preload(job, kind: str = "vllm") -> None:
     import os
     import threading
 
+    from runner.bytecode import engine_bytecode
     from runner.engines.vllm_settings import offline_environment
 
     os.environ.update(offline_environment(job.engine.in_process))  # read when vLLM is imported
+    engine_bytecode()  # before the import: where torch and vLLM have no bytecode, it is kept
 
     def load() -> None:
         import importlib

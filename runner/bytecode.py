@@ -1,0 +1,129 @@
+"""Bytecode of the engine's libraries under the runner's cache folder, where Python cannot keep it
+beside them.
+
+Python compiles a module from source unless it finds the module's bytecode: beside the source (in
+`__pycache__`) or, once a bytecode prefix is set, under that folder only. Where torch and vLLM came
+without bytecode and Python may not write it beside them (PYTHONDONTWRITEBYTECODE=1, which container
+images often set, or a read-only site-packages), every process compiles them again: on the H200
+machine `from vllm import LLM` took 20.5-26.9 s that way and 13.2-13.4 s reading bytecode from a
+prefix (bench/bytecode.py). There the runner points Python's prefix at a folder of its cache and
+lets it write: the first process compiles and writes (35.8 s there), later ones read. Where the
+bytecode is beside the libraries, or Python can write it there, nothing changes: a prefix would
+hide what is there.
+
+The folder is the runner's own (created 0700, refused if another user owns it or others can write
+it: Python runs what it finds there) and named by the interpreter and the libraries' versions, so
+that an image with other files under the same paths does not read this one's bytecode.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Iterable, MutableMapping, Optional
+
+PROBES = ("torch", "vllm")  # where the engine's import spends its time
+SWITCH = "RUNNER_BYTECODE_CACHE"  # 0/off/false/no leaves Python's bytecode settings alone
+
+_state: dict = {"prefix": None, "set_by_runner": False, "reason": "not decided in this process"}
+
+
+def missing_bytecode(packages: Iterable[str] = PROBES) -> list[str]:
+    """The packages, of those installed, whose `__init__` has no bytecode beside its source that
+    Python would read (found without importing them) and where Python may not write it."""
+    import importlib.util
+
+    missing = []
+    for name in packages:
+        try:
+            spec = importlib.util.find_spec(name)
+        except Exception:  # a broken finder (an editable install's, say) is no reason to fail a run
+            continue
+        if spec is None or not spec.origin or not spec.origin.endswith(".py") or not os.path.isfile(spec.origin):
+            continue  # not installed, or not plain source files (a zip, an extension)
+        if os.path.exists(importlib.util.cache_from_source(spec.origin)):
+            continue
+        writable = not sys.dont_write_bytecode and os.access(os.path.dirname(spec.origin), os.W_OK)
+        if not writable:  # else Python writes it beside the source itself, once
+            missing.append(name)
+    return missing
+
+
+def folder_name(packages: Iterable[str] = PROBES) -> str:
+    """A name for this interpreter and these libraries' versions."""
+    from importlib import metadata
+
+    parts = [sys.version, os.path.realpath(sys.executable)]
+    for name in packages:
+        try:
+            parts.append(f"{name}=={metadata.version(name)}")
+        except Exception:
+            parts.append(f"{name}==?")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def private_folder(folder: Path) -> Optional[str]:
+    """Create `folder` (0700) and check that only this user can write it and its parent; None if
+    fine, else why not."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for path in (folder, folder.parent):
+            st = path.stat()
+            if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return f"{path} is another user's or others can write it"
+        probe = folder / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        return f"{folder} cannot be written: {exc.strerror or exc}"
+    return None
+
+
+def use_cache(root: Path, environ: MutableMapping[str, str] = os.environ,
+              packages: Iterable[str] = PROBES) -> Optional[str]:
+    """Keep bytecode under a folder of `root` (for this process and the processes it starts) when
+    the engine's libraries have none beside them and Python may not write it there. Returns the
+    folder set, or None where nothing changed (the reason is in `state()`)."""
+    packages = tuple(packages)
+    if environ.get(SWITCH, "").strip().lower() in ("0", "off", "false", "no"):
+        return _decided(None, f"{SWITCH}={environ[SWITCH]}")
+    if sys.pycache_prefix is not None:
+        return _decided(None, "a bytecode prefix was set before (PYTHONPYCACHEPREFIX or -X pycache_prefix)")
+    missing = missing_bytecode(packages)
+    if not missing:
+        return _decided(None, "bytecode beside the libraries, or Python may write it there")
+    folder = Path(os.path.abspath(root)) / folder_name(packages)
+    refused = private_folder(folder)
+    if refused:  # an unwritable prefix would hide every module's bytecode: slower than none
+        return _decided(None, f"no bytecode beside {', '.join(missing)}, but {refused}")
+    prefix = str(folder)
+    sys.pycache_prefix = prefix
+    sys.dont_write_bytecode = False
+    # Processes the runner starts read it (a forked engine core inherits the settings above). A
+    # spawned one writes nothing if the runner was started with PYTHONDONTWRITEBYTECODE=1: Python
+    # hands such children -B.
+    environ["PYTHONPYCACHEPREFIX"] = prefix
+    environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    return _decided(prefix, f"no bytecode beside {', '.join(missing)}, and Python may not write it there")
+
+
+def _decided(prefix: Optional[str], reason: str) -> Optional[str]:
+    _state.update(prefix=sys.pycache_prefix, set_by_runner=prefix is not None, reason=reason)
+    return prefix
+
+
+def engine_bytecode() -> Optional[str]:
+    """`use_cache` under the runner's cache folder, once a process; call before the engine's library
+    is imported."""
+    if _state["set_by_runner"]:
+        return _state["prefix"]
+    from runner.models import cache_root
+
+    return use_cache(cache_root() / "pycache")
+
+
+def state() -> dict:
+    """This process's bytecode prefix (None: beside the sources), whether the runner set it, and why."""
+    return dict(_state)

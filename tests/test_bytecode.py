@@ -1,0 +1,136 @@
+"""runner/bytecode.py: where the engine's libraries have no bytecode beside them and Python may not
+write it there, the runner keeps it in a private folder of its cache; elsewhere it changes nothing."""
+import os
+import py_compile
+import importlib.util
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner import bytecode
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def packages(tmp_path, monkeypatch):
+    """Two importable packages: `bare` without bytecode, `built` with bytecode beside its source;
+    Python may not write bytecode (PYTHONDONTWRITEBYTECODE=1, as container images set)."""
+    site = tmp_path / "site"
+    for name in ("bare", "built"):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(f"NAME = {name!r}\n")
+    monkeypatch.setattr(sys, "pycache_prefix", None)  # restored after the test, as are these
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(bytecode, "_state", dict(bytecode._state))
+    init = site / "built" / "__init__.py"
+    py_compile.compile(str(init), cfile=importlib.util.cache_from_source(str(init)), doraise=True)
+    monkeypatch.syspath_prepend(str(site))
+    return site
+
+
+def test_packages_without_bytecode_python_may_not_write_are_named(packages, monkeypatch):
+    assert bytecode.missing_bytecode(["bare", "built", "no_such_package_here"]) == ["bare"]
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # Python writes it beside the source itself
+    assert bytecode.missing_bytecode(["bare"]) == []
+
+
+def test_a_private_folder_is_set_where_bytecode_is_missing(packages, tmp_path):
+    environ = {"PYTHONDONTWRITEBYTECODE": "1", "PATH": "/bin"}
+    root = tmp_path / "cache" / "pycache"
+    prefix = bytecode.use_cache(root, environ, packages=["bare", "built"])
+    assert prefix is not None and Path(prefix).parent == root
+    assert stat.S_IMODE(Path(prefix).stat().st_mode) == 0o700  # Python runs what it finds there
+    assert sys.pycache_prefix == prefix and sys.dont_write_bytecode is False
+    # the processes the runner starts (a forked or spawned engine core, the grammar measurement) follow
+    assert environ == {"PYTHONPYCACHEPREFIX": prefix, "PATH": "/bin"}
+    made = bytecode.state()
+    assert made["prefix"] == prefix and made["set_by_runner"] and "bare" in made["reason"]
+
+
+def test_a_relative_cache_folder_becomes_absolute(packages, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a child in another folder must find the same bytecode
+    prefix = bytecode.use_cache(Path("rel") / "pycache", {}, packages=["bare"])
+    assert Path(prefix).is_absolute() and Path(prefix).parent == tmp_path / "rel" / "pycache"
+
+
+@pytest.mark.parametrize("case", ["bytecode beside", "switched off", "prefix already set", "cannot be written",
+                                  "others can write"])
+def test_nothing_changes_otherwise(packages, tmp_path, monkeypatch, case):
+    """An unusable folder would hide every module's bytecode (slower than none) or let others plant
+    code: it is refused, and the reason kept."""
+    environ = {"PYTHONDONTWRITEBYTECODE": "1"}
+    names, root = ["bare"], tmp_path / "ours"
+    if case == "bytecode beside":
+        names = ["built"]
+    elif case == "switched off":
+        environ[bytecode.SWITCH] = "off"
+    elif case == "prefix already set":
+        monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "theirs"))
+    elif case == "cannot be written":
+        (tmp_path / "a-file").write_text("")
+        root = tmp_path / "a-file" / "pycache"
+    else:
+        root.mkdir()
+        root.chmod(0o777)
+    before = (sys.pycache_prefix, sys.dont_write_bytecode, dict(environ))
+    assert bytecode.use_cache(root, environ, packages=names) is None
+    assert (sys.pycache_prefix, sys.dont_write_bytecode, environ) == before
+    made = bytecode.state()
+    assert not made["set_by_runner"] and made["reason"]
+    if case in ("cannot be written", "others can write"):
+        assert "no bytecode beside bare, but" in made["reason"]
+
+
+def test_preload_decides_before_the_import_starts(monkeypatch):
+    """`runner run` imports vLLM in a thread while it checks the input: the prefix must be set before."""
+    import threading
+
+    from runner.engines import preload
+    from runner.spec import EngineConfig
+
+    order = []
+    monkeypatch.setattr(bytecode, "engine_bytecode", lambda: order.append("bytecode"))
+
+    class Thread:
+        def __init__(self, target, name, daemon):
+            self.name = name
+
+        def start(self):
+            order.append(self.name)
+
+    monkeypatch.setattr(threading, "Thread", Thread)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # preload sets vLLM's offline variables
+    job = type("Job", (), {"engine": EngineConfig(model="m")})()
+    preload(job, "vllm")
+    assert order == ["bytecode", "runner-preload"]
+
+
+CHILD = """
+import sys
+from pathlib import Path
+from runner.bytecode import use_cache
+print(use_cache(Path(sys.argv[1]), packages=["bare"]))
+import bare
+"""
+
+
+def test_the_first_process_writes_and_later_ones_read(packages, tmp_path):
+    """Real processes, as a container image runs them (PYTHONDONTWRITEBYTECODE=1): the first
+    writes the bytecode under the cache folder, none beside the source; the second reads it."""
+    root = tmp_path / "pycache"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    env |= {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(packages)])}
+    written = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(root)], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert Path(proc.stdout.strip()).parent == root
+        pyc = list(root.rglob("bare/__init__.*.pyc"))  # the prefix mirrors the source's path
+        assert len(pyc) == 1
+        written.append(pyc[0].stat().st_mtime_ns)
+    assert written[0] == written[1]  # read, not written again
+    assert not (packages / "bare" / "__pycache__").exists()
