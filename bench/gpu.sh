@@ -13,11 +13,14 @@
 # warm-up of plain and runner: bench/results/2026-12-03-nvidia-h200-8b-feedback.json). On that host
 # staging and install took ~3.5 min, the warm-up ~7 min (plain's first compile 244 s) and a round of
 # the four ~6.5 min: 3 such rounds do not fit in 30 device minutes; plan 2, or leave plain out. A start refused by the
-# device (none free) still cost ~90 s of budget. The 135M with its calibration stored was last
-# measured at 0ad8350 (3 rounds of sorted, runner and vllmmasks after a warm-up of plain and runner,
-# then 2 more rounds of sorted and runner: bench/results/2026-12-02-nvidia-h200-135m-masks.json;
-# ~1,260 s of device time with staging: warm-up ~4.5 min, a round of the three ~3.3 min, a round of
-# sorted and runner ~2.2 min).
+# device (none free) still cost ~90 s of budget. The 135M was last measured at 585f8fb (3 rounds of
+# plain, sorted and runner after a warm-up of plain and runner, then 2 more rounds of the three with
+# --repeats 1 and a --workdir of their own: bench/results/2026-12-04-nvidia-h200-135m-5rounds.json;
+# staging and install ~210 s of device time, the warm-up ~270 s, a round of the three ~3.5 min; no
+# runner_first, so every runner run calibrated), then `profile` (py-spy, ~60 s).
+# Next: the bytecode cache (runner/bytecode.py) on the run's wall, against the runner without it:
+#   WARMUP="invoices/tight/135m=plain,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
+#     --repeats 3 --deadline-s 900 --cases "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,nobytecode"
 # Next, if a change to admission or the engine start is to be measured: the 135M plan again
 #   WARMUP="invoices/tight/135m=plain,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
 #     --repeats 3 --deadline-s 900 --cases "invoices/tight/135m=sorted,runner,<variant>"
