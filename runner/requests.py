@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 from runner.engines import Completion, Request
 from runner.errors import ModelError, TemplateError
-from runner.inputs import prefetch
+from runner.prefetch import prefetch
 from runner.plan import Group, GroupSummary, PlanSummary, PrefixCacheBound, plan_stream, servable_tokens
 from runner.prompting import Document, PromptBuilder
 from runner.readers import make_reader

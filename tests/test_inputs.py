@@ -119,7 +119,7 @@ def test_prefetch_reads_ahead_in_order_and_raises_where_the_item_was():
     import threading
 
     from runner.errors import InputError
-    from runner.inputs import prefetch
+    from runner.prefetch import prefetch
 
     started = threading.Event()
 
@@ -171,7 +171,7 @@ def test_a_prefetch_dropped_unread_stops_its_thread():
     import gc
     import itertools
 
-    from runner.inputs import prefetch
+    from runner.prefetch import prefetch
 
     ahead = prefetch(itertools.count(), 2)  # never ends on its own
     thread = ahead.thread
