@@ -13,7 +13,7 @@ outputs is not measured, and a stored choice of it is measured again.
 
 Fixed costs are paid once: a measured choice is stored in the job's database under a key of what
 decides it (runner/fingerprint.py) and a later run with the same key starts one engine. A first
-run measures only when that can pay on its own rows (`_worth_measuring`); when it cannot, that
+run measures only when that can pay on its own rows (runner/engines/cost_rule.py); when it cannot, that
 decision is stored with the pace its first slice measured, so that later runs apply the rule
 again at that pace, without a slice, and measure only once their rows could pay for it.
 """
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from runner.engines.base import Request
+from runner.engines.cost_rule import NONE_PASSED, stored_pace, without_drafts, worth_measuring
 from runner.engines.sequence import Phase
 from runner.engines.speculation import (Candidate, binding_failure, candidate, choose, setting_key, speculative_config,
                                          with_speculative)
@@ -63,7 +64,7 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
     cached = None if ctx.force else ctx.store.latest_calibration(ctx.key_sha256)
     stale = _verified_out(job, ctx, cached)
     if cached is not None and stale is None:
-        pace = _stored_pace(cached)  # a first run's cost rule decided this key: no drafts, by cost
+        pace = stored_pace(cached)  # a first run's cost rule decided this key: no drafts, by cost
         speculative = json.loads(cached["speculative_json"]) if cached["speculative_json"] else None
         # A stored "no drafts" runs on one engine as configured (in the runner's process where the
         # config says so: ~30 s less on 16 rows on this project's CPU); should it turn out stale, the
@@ -137,10 +138,10 @@ def _measure(job: Job, engines, loop, source: Iterator[Request], ctx: Calibratio
         return base | {"chosen_draft_tokens": 0, "skipped": "the job ended within the first slice"}, source, None
     candidates, excluded = _candidates(job, ctx)
     per_row_s = plain.generation_s / plain.rows if plain.rows else 0.0
-    worth = _worth_measuring(cal, per_row_s, engines.last_start_s, ctx.rows_todo - plain.rows, len(candidates))
+    worth = worth_measuring(cal, per_row_s, engines.last_start_s, ctx.rows_todo - plain.rows, len(candidates))
     base |= {"cost_rule": worth, "excluded": excluded}
     if not candidates or (not ctx.force and not worth["measure"]):
-        rec = _without_drafts(worth, candidates)
+        rec = without_drafts(worth, candidates)
         # Decided by cost: stored (no drafts) with the pace measured, for later runs to decide by;
         # no candidate passed: stored too, until one does (_verified_out), so that later runs start
         # one engine as configured instead of measuring a slice for nothing.
@@ -229,9 +230,6 @@ def _failed_verification(job: Job, ctx: CalibrationContext, setting: Optional[di
     return failed_verification(ctx.store, job, ctx.key, setting) if ctx.verify_gate else None
 
 
-NONE_PASSED = "no candidate passed verification"
-
-
 def _verified_out(job: Job, ctx: CalibrationContext, cached: Optional[dict]) -> Optional[str]:
     """Why a stored choice may not run again: a verification made since failed its drafts (the gate
     binds stored choices as it binds candidates), or it is "no drafts" because none passed and one
@@ -254,38 +252,6 @@ def _verified_out(job: Job, ctx: CalibrationContext, cached: Optional[dict]) -> 
             f"{job.engine.verify.min_agreement:.0%})")
 
 
-def _worth_measuring(cal, per_row_s: float, start_s: float, rows_left: int, candidates: int = 1) -> dict:
-    """The cost rule (a first run, or a later one at the pace a first run stored): measuring
-    drafts starts an engine per candidate, then the
-    plain one again if drafts lose; it pays only if the best plausible speed-up
-    (calibration.assumed_max_speedup) would save more than that on the rows left, at the pace
-    (seconds of generation a row) measured without drafts."""
-    remaining_s = max(rows_left, 0) * per_row_s
-    win_s = remaining_s * (1 - 1 / cal.assumed_max_speedup)
-    cost_s = (candidates + 1) * start_s
-    return {"measure": cost_s < win_s, "cost_s": round(cost_s, 2), "win_s": round(win_s, 2),
-            "rows_left": max(rows_left, 0), "engine_start_s": round(start_s, 2), "per_row_s": per_row_s}
-
-
-def _without_drafts(worth: dict, candidates: list) -> dict:
-    """The record of running without drafts: no candidate passed verification, or (decided_by
-    cost_rule) measuring them cannot pay."""
-    if not candidates:
-        return {"chosen_draft_tokens": 0, "skipped": NONE_PASSED}
-    return {"chosen_draft_tokens": 0, "decided_by": "cost_rule",
-            "skipped": f"measuring drafts would cost about {worth['cost_s']:.0f} s of engine starts, more than "
-                       f"the {worth['win_s']:.0f} s they could save on the {worth['rows_left']} rows left"}
-
-
-def _stored_pace(cached: dict) -> Optional[float]:
-    """Seconds of generation a row, when the stored calibration is a first run's decision by cost
-    (not a measured choice); else None."""
-    record = json.loads(cached.get("record_json") or "{}")
-    if record.get("decided_by") != "cost_rule":
-        return None
-    return record.get("cost_rule", {}).get("per_row_s")
-
-
 def _skip_by_stored_pace(job: Job, engines, ctx: CalibrationContext, per_row_s: float) -> Optional[dict]:
     """The cost rule again, at the stored pace, for this run's rows and this engine's start: the
     record of running without drafts and without a slice, or None when measuring can pay now.
@@ -293,10 +259,10 @@ def _skip_by_stored_pace(job: Job, engines, ctx: CalibrationContext, per_row_s: 
     point does not measure a slice on every run only to decide the same."""
     cal = job.engine.calibration
     candidates, excluded = _candidates(job, ctx)
-    worth = _worth_measuring(cal, per_row_s, engines.last_start_s, ctx.rows_todo - cal.rows, len(candidates))
+    worth = worth_measuring(cal, per_row_s, engines.last_start_s, ctx.rows_todo - cal.rows, len(candidates))
     if candidates and worth["measure"]:
         return None
-    return {"chosen": None, "cost_rule": worth, "excluded": excluded} | _without_drafts(worth, candidates)
+    return {"chosen": None, "cost_rule": worth, "excluded": excluded} | without_drafts(worth, candidates)
 
 
 class _Taken:
