@@ -27,7 +27,8 @@ from typing import Iterable, MutableMapping, Optional
 PROBES = ("torch", "vllm")  # where the engine's import spends its time
 SWITCH = "RUNNER_BYTECODE_CACHE"  # 0/off/false/no leaves Python's bytecode settings alone
 
-_state: dict = {"prefix": None, "set_by_runner": False, "reason": "not decided in this process"}
+UNDECIDED = "not decided in this process"
+_state: dict = {"prefix": None, "set_by_runner": False, "reason": UNDECIDED}
 
 
 def missing_bytecode(packages: Iterable[str] = PROBES) -> list[str]:
@@ -115,10 +116,10 @@ def _decided(prefix: Optional[str], reason: str) -> Optional[str]:
 
 
 def engine_bytecode() -> Optional[str]:
-    """`use_cache` under the runner's cache folder, once a process; call before the engine's library
-    is imported."""
-    if _state["set_by_runner"]:
-        return _state["prefix"]
+    """`use_cache` under the runner's cache folder, decided once a process (preload, then each engine
+    of the run asks again); call before the engine's library is imported."""
+    if _state["reason"] != UNDECIDED:  # once vLLM is imported, deciding again would change nothing
+        return _state["prefix"] if _state["set_by_runner"] else None
     from runner.models import cache_root
 
     return use_cache(cache_root() / "pycache")

@@ -134,3 +134,21 @@ def test_the_first_process_writes_and_later_ones_read(packages, tmp_path):
         written.append(pyc[0].stat().st_mtime_ns)
     assert written[0] == written[1]  # read, not written again
     assert not (packages / "bare" / "__pycache__").exists()
+
+
+
+
+@pytest.mark.parametrize("package", ["bare", "built"])
+def test_a_process_decides_once(packages, tmp_path, monkeypatch, package):
+    """preload and every engine of a run (calibration starts several) ask: the first call decides,
+    set or not, and the later ones return its answer without looking again."""
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = bytecode.use_cache
+    monkeypatch.setattr(bytecode, "use_cache", lambda root: calls.append(root) or real(root, {}, packages=[package]))
+    first = bytecode.engine_bytecode()
+    if package == "bare":  # no bytecode beside it: set
+        assert first is not None and Path(first).parent == tmp_path / "cache" / "pycache"
+    else:
+        assert first is None and "beside" in bytecode.state()["reason"]
+    assert bytecode.engine_bytecode() == first and len(calls) == 1
