@@ -67,6 +67,7 @@ start)
   # WARMUP="invoices/tight/135m=plain;invoices/tight/8b=plain" first runs those cases once on 16
   # rows (each model's first torch.compile and kernel JIT, ~1-3 min), so that every measured round
   # is warm; its results go to /tmp/warmup.json. --deadline-s counts from the measured rounds' start.
+  # A Ray configuration in WARMUP runs on 16 rows too (Ray's own first start, its bytecode written).
   shift
   rm -rf /tmp/proj && cp -r . /tmp/proj && cd /tmp/proj
   export BENCH WARMUP="${WARMUP:-}" BENCH_COMMIT="${BENCH_COMMIT:-unknown}" IMPORTTIME="${IMPORTTIME:-}"
@@ -81,7 +82,7 @@ start)
       python3 -X importtime -c "import vllm; from vllm import LLM, SamplingParams" 2> /tmp/importtime.txt
     fi
     if [ -n "$WARMUP" ]; then
-      python3 "$BENCH" --model /tmp/smollm2 --machine "$MACHINE" --multi "" --repeats 1 --docs 16 \
+      python3 "$BENCH" --model /tmp/smollm2 --machine "$MACHINE" --multi "" --repeats 1 --docs 16 --multi-docs 16 \
         --cases "$WARMUP" --out /tmp/warmup.json --workdir /tmp/rbw > /tmp/warmup.log 2>&1
       # The compile caches stay warm; the grammar choice goes, so that the first measured run makes
       # it, as the first run of a job on a machine does.

@@ -1,7 +1,8 @@
 """The benchmark's scheduler: tasks in order on free GPUs, one process per GPU (several for
-multi-GPU configurations). The first run of each engine setup runs alone, so that two processes
-never fill vLLM's compile cache at once; a runner configuration that reuses a calibration waits for
-its case's first run to store one; a multi-GPU run waits for its round's single-GPU runs."""
+multi-GPU configurations; a Ray run has the machine to itself). The first run of each engine setup
+runs alone, so that two processes never fill vLLM's compile cache at once; a runner configuration
+that reuses a calibration waits for its case's first run to store one; a multi-GPU run waits for its
+round's single-GPU runs, and the next round's runs wait for it."""
 from __future__ import annotations
 
 import os
@@ -29,6 +30,7 @@ class Schedule:
     def __init__(self, a, tasks: list[Task], on_done: Callable[[], None]):
         self.a, self.on_done = a, on_done
         self.free, self.lock = gpu_ids(a), threading.Lock()
+        self.machine = len(self.free)
         self.seeds: dict = {}  # case, or (case, config), -> a database holding that first calibration
         self.warm: set = set()  # compile keys whose first run finished
         self.compiling: set = set()
@@ -45,26 +47,32 @@ class Schedule:
                 return False
         if t.gpus > 1 and any(o.gpus == 1 and o.round <= t.round for o in self.pending):
             return False  # a multi-GPU run waits for its round's single-GPU runs
+        if t.gpus == 1 and any(o.gpus > 1 and o.round < t.round for o in self.pending):
+            # and the next round's wait for it: else they take each GPU as it frees, and every
+            # multi-GPU run waits for the plan's last single-GPU run (no longer interleaved)
+            return False
         return t.compile_key in self.warm or t.compile_key not in self.compiling
 
     def start_ready(self) -> list[threading.Thread]:
         """Start every pending task that is ready and has its GPUs free (called under the lock)."""
         started = []
         for t in list(self.pending):
-            if t.gpus <= len(self.free) and self.ready(t):
-                ids = [self.free.pop(0) for _ in range(t.gpus)]
+            # A Ray run has the machine to itself (a neighbour would slow one replica count's runs only)
+            need = self.machine if t.alone else t.gpus
+            if need <= len(self.free) and self.ready(t):
+                ids = [self.free.pop(0) for _ in range(need)]
                 self.pending.remove(t)
                 self.active.append(t)
                 if t.compile_key not in self.warm:
                     self.compiling.add(t.compile_key)
-                t.gpu_ids, t.started_s = ",".join(ids), round(time.monotonic() - self.t_start, 1)
+                t.gpu_ids, t.started_s = ",".join(ids[:t.gpus]), round(time.monotonic() - self.t_start, 1)
                 th = threading.Thread(target=self.work, args=(t, ids), daemon=True)
                 th.start()
                 started.append(th)
         return started
 
     def work(self, t: Task, ids: list[str]) -> None:
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(ids), VLLM_LOGGING_LEVEL="INFO",
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=t.gpu_ids, VLLM_LOGGING_LEVEL="INFO",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         try:
             t.result = execute(self.a, t, self.seeds, env)

@@ -41,6 +41,11 @@ class Task:
     started_s: Optional[float] = None
 
     @property
+    def alone(self) -> bool:
+        """Runs with no neighbour on the machine: `ray1` against `ray2` is the comparison."""
+        return self.config.startswith("ray")
+
+    @property
     def workload(self) -> str:
         return self.case.split("/")[0]
 

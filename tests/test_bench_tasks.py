@@ -275,3 +275,43 @@ def test_the_8b_shapes_folder_is_the_same_for_the_warm_up_and_the_measured_round
     assert warmup == measured and not warmup.is_relative_to(tmp_path / "rbw")
     assert json.loads((warmup / "config.json").read_text())["hidden_size"] == 4096
     assert folder("rb", "invoices/tight/135m") == source
+
+
+def test_ray_runs_have_the_machine_and_the_next_round_waits_for_the_two_gpu_run():
+    """Two GPUs, rounds of plain, runner (one GPU each, side by side), ray1 and ray2: a GPU freed
+    while ray2 waits for the other must not go to the next round's runs, or every ray2 would wait
+    for the plan's last single-GPU run (rounds no longer interleaved); ray1 runs with no neighbour,
+    as ray2 does, so that their ratio measures replicas, not neighbours."""
+    import argparse
+
+    from bench.schedule import Schedule
+    from bench.tasks import Task
+
+    case = "invoices/roomy/135m"
+    tasks = [Task(case, c, r, gpus=2 if c == "ray2" else 1) for r in (1, 2) for c in ("plain", "runner", "ray1", "ray2")]
+    held = {}
+
+    class Recorded(Schedule):
+        def work(self, t, ids):  # nothing runs: the test finishes tasks itself
+            held[t.config, t.round] = ids
+
+    s = Recorded(argparse.Namespace(gpus="0,1", platform="cpu"), tasks, on_done=lambda: None)
+    s.warm = {t.compile_key for t in tasks}  # compiled already: runs may share the machine
+    order = []
+
+    def start():
+        for th in s.start_ready():
+            th.join()
+        order.append(sorted(f"{t.config}{t.round}@{t.gpu_ids}" for t in s.active))
+
+    def finish(config, rnd):
+        s.active.remove(next(t for t in s.active if (t.config, t.round) == (config, rnd)))
+        s.free.extend(held[config, rnd])
+        start()
+
+    start()
+    for config, rnd in (("plain", 1), ("runner", 1), ("ray1", 1), ("ray2", 1)):
+        finish(config, rnd)
+    assert order == [["plain1@0", "runner1@1"], ["runner1@1"], ["ray11@0"], ["ray21@0,1"],
+                     ["plain2@0", "runner2@1"]]
+    assert held["ray1", 1] == ["0", "1"]  # both held, one visible to the run

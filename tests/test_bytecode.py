@@ -1,5 +1,6 @@
 """runner/bytecode.py: where the engine's libraries have no bytecode beside them and Python may not
 write it there, the runner keeps it in a private folder of its cache; elsewhere it changes nothing."""
+import json
 import os
 import py_compile
 import importlib.util
@@ -136,6 +137,36 @@ def test_the_first_process_writes_and_later_ones_read(packages, tmp_path):
     assert not (packages / "bare" / "__pycache__").exists()
 
 
+RAY_DRIVER = """
+import functools, json
+from runner import bytecode
+bytecode.use_cache = functools.partial(bytecode.use_cache, packages=["bare"])  # `bare` stands for vLLM
+from runner.engines.ray import ensure_ray
+ensure_ray(None)
+import ray
+print(json.dumps(ray.SEEN))
+"""
+
+
+def test_a_ray_driver_decides_before_importing_ray(packages, tmp_path):
+    """`executor: ray`: the driver never imports vLLM, but a local cluster's processes (raylet, each
+    replica's actor) start from its environment when Ray starts: the prefix must be set, and
+    PYTHONDONTWRITEBYTECODE gone, before Ray is imported (a stand-in `ray` records what it found)."""
+    stub = tmp_path / "stub" / "ray"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(
+        "import os, sys\n"
+        "SEEN = {'prefix': sys.pycache_prefix, 'env': os.environ.get('PYTHONPYCACHEPREFIX'),\n"
+        "        'no_bytecode': os.environ.get('PYTHONDONTWRITEBYTECODE')}\n"
+        "def is_initialized():\n    return True\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    env |= {"PYTHONDONTWRITEBYTECODE": "1", "RUNNER_CACHE": str(tmp_path / "cache"),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(packages), str(stub.parent)])}
+    proc = subprocess.run([sys.executable, "-c", RAY_DRIVER], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["prefix"] is not None and Path(seen["prefix"]).parent == tmp_path / "cache" / "pycache"
+    assert seen["env"] == seen["prefix"] and seen["no_bytecode"] is None
 
 
 @pytest.mark.parametrize("package", ["bare", "built"])

@@ -26,6 +26,11 @@ _STEP_S = 0.05  # how long a replica call may gather completions before it answe
 
 def ensure_ray(job):
     """Connect to the job's Ray cluster (ray.address, else RAY_ADDRESS), or start a local one."""
+    from runner.bytecode import engine_bytecode
+
+    # Before Ray's import: the driver then reads Ray's bytecode too, and a local cluster's processes
+    # (each replica's actor imports Ray, the runner and vLLM) inherit the prefix from this environment.
+    engine_bytecode()
     import ray
 
     with _INIT_LOCK:  # the input reader's thread and the engine may both get here first
