@@ -17,10 +17,16 @@
 # plain, sorted and runner after a warm-up of plain and runner, then 2 more rounds of the three with
 # --repeats 1 and a --workdir of their own: bench/results/2026-12-04-nvidia-h200-135m-5rounds.json;
 # staging and install ~210 s of device time, the warm-up ~270 s, a round of the three ~3.5 min; no
-# runner_first, so every runner run calibrated), then `profile` (py-spy, ~60 s).
-# Next: the bytecode cache (runner/bytecode.py) on the run's wall, against the runner without it:
-#   WARMUP="invoices/tight/135m=plain,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
-#     --repeats 3 --deadline-s 900 --cases "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner,nobytecode"
+# runner_first, so every runner run calibrated), then `profile` (py-spy, ~60 s). The 135M and two
+# replicas were last measured together at 7222ca4 on nvidia-h200-x2 (the parts with EXTRA="ray[data]":
+# 8 of 54 MiB, staged in ~70 s; install ~95 s; the warm-up ~215 s; a round ~345 s: two single-GPU runs
+# at a time, then ray1 with the machine to itself, then ray2; ~1,410 s of device time in all;
+# bench/results/2026-12-04-nvidia-h200x2-135m-ray.json):
+#   WARMUP="invoices/tight/135m=plain,runner;invoices/roomy/135m=ray1" BENCH_COMMIT=<commit> bash bench/gpu.sh \
+#     start --repeats 3 --deadline-s 1100 --cases "invoices/tight/135m=plain,sorted,runner,nobytecode" \
+#     --multi "invoices/roomy/135m=ray1,ray2"
+# Next on two GPUs: the engine core in each replica's actor (ip), which Ray replicas' LLM(...) would
+# gain most from (19-24 s against the local runner's 14-19 s): --multi "invoices/roomy/135m=ray1,ray2,ray1ip,ray2ip".
 # Next, if a change to admission or the engine start is to be measured: the 135M plan again
 #   WARMUP="invoices/tight/135m=plain,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
 #     --repeats 3 --deadline-s 900 --cases "invoices/tight/135m=sorted,runner,<variant>"
