@@ -13,7 +13,8 @@ hide what is there.
 
 The folder is the runner's own (created 0700, refused if another user owns it or others can write
 it: Python runs what it finds there) and named by the interpreter and the libraries' versions, so
-that an image with other files under the same paths does not read this one's bytecode.
+that an image with other files under the same paths does not read this one's bytecode. Every process
+that sets it marks it used; folders of other versions that no process used for KEEP_DAYS are removed.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from typing import Iterable, MutableMapping, Optional
 
 PROBES = ("torch", "vllm")  # where the engine's import spends its time
 SWITCH = "RUNNER_BYTECODE_CACHE"  # 0/off/false/no leaves Python's bytecode settings alone
+KEEP_DAYS = 30  # a folder no run used for this long (an upgraded torch or vLLM) is removed
+USED = ".last-used"  # touched by every process that sets its folder
 
 UNDECIDED = "not decided in this process"
 _state: dict = {"prefix": None, "set_by_runner": False, "reason": UNDECIDED}
@@ -99,6 +102,7 @@ def use_cache(root: Path, environ: MutableMapping[str, str] = os.environ,
     refused = private_folder(folder)
     if refused:  # an unwritable prefix would hide every module's bytecode: slower than none
         return _decided(None, f"no bytecode beside {', '.join(missing)}, but {refused}")
+    pruned = prune_unused(folder)
     prefix = str(folder)
     sys.pycache_prefix = prefix
     sys.dont_write_bytecode = False
@@ -107,11 +111,48 @@ def use_cache(root: Path, environ: MutableMapping[str, str] = os.environ,
     # hands such children -B.
     environ["PYTHONPYCACHEPREFIX"] = prefix
     environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    return _decided(prefix, f"no bytecode beside {', '.join(missing)}, and Python may not write it there")
+    made = _decided(prefix, f"no bytecode beside {', '.join(missing)}, and Python may not write it there")
+    if pruned:
+        _state["pruned"] = pruned
+    return made
+
+
+def prune_unused(folder: Path, keep_days: float = KEEP_DAYS) -> list[str]:
+    """Mark `folder` used now; remove its siblings (other interpreters' or library versions'
+    bytecode, hundreds of MB each) that no process has used for `keep_days`. Returns their names."""
+    import re
+    import shutil
+    import time
+
+    try:
+        (folder / USED).touch()
+        siblings = list(folder.parent.iterdir())
+    except OSError:
+        return []
+    cutoff, pruned = time.time() - keep_days * 86400, []
+    for old in siblings:
+        name = re.fullmatch(r"\.?([0-9a-f]{16})(\.removing-\d+)?", old.name)
+        if old == folder or not name or old.name.startswith(".") != bool(name.group(2)):
+            continue  # only folders this module names (or began to remove)
+        try:
+            marker = old / USED
+            used = (marker if marker.exists() else old).stat().st_mtime
+            if used >= cutoff or old.stat().st_uid != os.getuid():
+                continue
+            gone = old
+            if not name.group(2):  # renamed first: a process starting now never reads a half-removed folder
+                gone = old.with_name(f".{old.name}.removing-{os.getpid()}")
+                old.rename(gone)
+        except OSError:
+            continue
+        shutil.rmtree(gone, ignore_errors=True)
+        pruned.append(name.group(1))
+    return pruned
 
 
 def _decided(prefix: Optional[str], reason: str) -> Optional[str]:
     _state.update(prefix=sys.pycache_prefix, set_by_runner=prefix is not None, reason=reason)
+    _state.pop("pruned", None)
     return prefix
 
 

@@ -137,6 +137,37 @@ def test_the_first_process_writes_and_later_ones_read(packages, tmp_path):
     assert not (packages / "bare" / "__pycache__").exists()
 
 
+def test_folders_no_run_used_for_a_month_are_removed(packages, tmp_path):
+    """Each torch or vLLM upgrade names a new folder (hundreds of MB of bytecode): the old ones go
+    once no process has used them for KEEP_DAYS; recent ones, other files and the folder in use stay."""
+    import time
+
+    root = tmp_path / "pycache"
+    old_days = time.time() - (bytecode.KEEP_DAYS + 10) * 86400
+
+    def folder(name, used_at=None, marker=True):
+        d = root / name
+        (d / "x").mkdir(parents=True)
+        (d / "x" / "m.pyc").write_bytes(b"0")
+        if used_at is not None:
+            if marker:
+                (d / bytecode.USED).touch()
+                os.utime(d / bytecode.USED, (used_at, used_at))
+            else:
+                os.utime(d, (used_at, used_at))
+        return d
+
+    folder("0123456789abcdef", old_days)  # an older vLLM's, unused for 40 days
+    folder("1111111111111111", old_days, marker=False)  # made before markers: its own time counts
+    folder(".2222222222222222.removing-99", old_days)  # a removal that was killed midway
+    folder("fedcba9876543210", time.time() - 5 * 86400)  # another venv's, used 5 days ago
+    folder("notes", old_days)  # not a name this module makes
+    prefix = bytecode.use_cache(root, {}, packages=["bare"])
+    assert sorted(p.name for p in root.iterdir()) == sorted([Path(prefix).name, "fedcba9876543210", "notes"])
+    assert (Path(prefix) / bytecode.USED).exists()
+    assert sorted(bytecode.state()["pruned"]) == ["0123456789abcdef", "1111111111111111", "2222222222222222"]
+
+
 RAY_DRIVER = """
 import functools, json
 from runner import bytecode
