@@ -65,7 +65,7 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
     stale = _verified_out(job, ctx, cached)
     if cached is not None and stale is None:
         pace = stored_pace(cached)  # a first run's cost rule decided this key: no drafts, by cost
-        speculative = json.loads(cached["speculative_json"]) if cached["speculative_json"] else None
+        speculative = _stored_speculative(cached)
         # A stored "no drafts" runs on one engine as configured (in the runner's process where the
         # config says so: ~30 s less on 16 rows on this project's CPU); should it turn out stale, the
         # measuring below starts again in an engine-core process of its own.
@@ -230,13 +230,18 @@ def _failed_verification(job: Job, ctx: CalibrationContext, setting: Optional[di
     return failed_verification(ctx.store, job, ctx.key, setting) if ctx.verify_gate else None
 
 
+def _stored_speculative(cached: dict) -> Optional[dict]:
+    """The speculative_config a stored calibration chose; None: no drafts."""
+    return json.loads(cached["speculative_json"]) if cached["speculative_json"] else None
+
+
 def _verified_out(job: Job, ctx: CalibrationContext, cached: Optional[dict]) -> Optional[str]:
     """Why a stored choice may not run again: a verification made since failed its drafts (the gate
     binds stored choices as it binds candidates), or it is "no drafts" because none passed and one
     does now (or --no-verify checks none). None where it stands."""
     if cached is None:
         return None
-    speculative = json.loads(cached["speculative_json"]) if cached["speculative_json"] else None
+    speculative = _stored_speculative(cached)
     if speculative is None:
         if json.loads(cached.get("record_json") or "{}").get("skipped") != NONE_PASSED:
             return None
