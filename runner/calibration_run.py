@@ -22,14 +22,16 @@ from runner.store import Store
 
 
 def calibrate_job(job: Job, *, engine_factory: Callable[[Job], Engine] = build_engine, wait: bool = False,
-                  clock: Callable[[], float] = time.perf_counter) -> dict:
+                  clock: Callable[[], float] = time.perf_counter, backend: str = "vllm") -> dict:
     """`runner calibrate`: measure the job's speculation on its own rows (done or not) and store the
-    choice for later runs. Nothing is written to the job's results."""
+    choice for later runs (keyed by `backend`, what engine_factory builds). Nothing is written to
+    the job's results."""
     with sigterm_interrupts():
-        return _calibrate(job, engine_factory, wait, clock)
+        return _calibrate(job, engine_factory, wait, clock, backend)
 
 
-def _calibrate(job: Job, engine_factory: Callable[[Job], Engine], wait: bool, clock: Callable[[], float]) -> dict:
+def _calibrate(job: Job, engine_factory: Callable[[Job], Engine], wait: bool, clock: Callable[[], float],
+               backend: str) -> dict:
     job, _ = job_with_grammar(job)  # one backend for its engines, as `runner run` decides it
     scan = LocalReader(job.input_path, job.spec.input).scan()
     builder = builder_for(job)
@@ -40,7 +42,7 @@ def _calibrate(job: Job, engine_factory: Callable[[Job], Engine], wait: bool, cl
             collector = ResultCollector(job, store, None, RequestBuilder(job, builder), None, None,
                                         keep_results=False, clock=clock)
             ahead = build_ahead(job, collector.rb, None, scan.skip)
-            ctx = CalibrationContext(store, calibration_key(job, prompt_keys(job, scan)), scan.rows, None, force=True)
+            ctx = CalibrationContext(store, calibration_key(job, prompt_keys(job, scan), backend), scan.rows, None, force=True)
             record, _ = calibrate(job, engines, collector, collector.requests(ahead), ctx)
         finally:
             if ahead is not None:

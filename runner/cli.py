@@ -170,7 +170,8 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
         summary = run_job(
             spec, engine_factory=lambda j: build_engine(j, engine), restart=restart, wait=wait,
             progress_factory=_progress(spec, quiet), recalibrate=recalibrate, retry_failed=retry_failed,
-            verify_gate=not no_verify, exits_after=True,  # main() ends the process once the run completed
+            verify_gate=not no_verify, backend=engine,
+            exits_after=True,  # main() ends the process once the run completed
             started=take_start(),  # the stored wall is the user's: from the process's start
             notify=None if quiet else (lambda msg: warn(f"Note: {msg}")), log_path=str(log) if log else None,
             # Ray imports vLLM in its replicas, not here

@@ -39,7 +39,7 @@ def calibrate(job, overrides, wait, verbose, engine):
                         f"(the job's engine config fixes it; --set engine.speculative=auto measures anyway)")
     _, redirect = _engine_output(spec, verbose, "calibrate")
     with redirect:
-        record = calibrate_job(spec, engine_factory=lambda j: build_engine(j, engine), wait=wait)
+        record = calibrate_job(spec, engine_factory=lambda j: build_engine(j, engine), wait=wait, backend=engine)
     if "calibration_id" in record:
         k = record["stored_draft_tokens"]
         say(f"Speculation: {f'{k} draft tokens' if k else 'off'} (stored as calibration #{record['calibration_id']})")
@@ -87,7 +87,7 @@ def verify(job, rows, wait, verbose, baseline, engine, overrides):
     _, redirect = _engine_output(spec, verbose, "verify")
     with redirect:
         results = verify_job(spec, rows=rows, engine_factory=lambda j: build_engine(j, engine), wait=wait,
-                             baseline=baseline)
+                             baseline=baseline, backend=engine)
     if not results:
         say("Nothing to verify: the job's engine config uses no speculative decoding")
     limit = spec.engine.verify.min_agreement

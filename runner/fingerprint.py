@@ -91,8 +91,10 @@ def engine_environment(job, environ: Optional[dict] = None) -> dict[str, str]:
     return {k: env[k] for k in ENGINE_ENVIRONMENT if k in env}
 
 
-def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
-    """What decides the best speculative setting for a job (see runner/engines/calibrate.py)."""
+def calibration_key(job, system_prompt_keys: Iterable[str], backend: str = "vllm") -> dict:
+    """What decides the best speculative setting for a job (see runner/engines/calibrate.py).
+    `backend`: the engine that runs it; another than vLLM (the fake engine of tests and `--engine
+    fake`) keys its choices apart, so that they never pass for vLLM's in the job's database."""
     # Admission waves only pace when requests go in, and the token masks' threads and pinned memory
     # only speed vLLM's steps (outputs are the same): a stored choice stays good with them on or off.
     # The usage feedback counts like kv_pacing, but only when on: at its default (off) it leaves the
@@ -112,7 +114,7 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
         engine["environment"] = environment
     sampling = {k: v for k, v in job.spec.sampling.fingerprint_dump().items()
                 if k not in ("retry_max_tokens", "retry_repetition_penalty")}
-    return {
+    key = {
         "model": str(job.model_path),
         "model_fingerprint": model_fingerprint(job.model_path),
         "engine": engine,
@@ -123,6 +125,9 @@ def calibration_key(job, system_prompt_keys: Iterable[str]) -> dict:
         "prompt_set": prompt_set_fingerprint(job.spec.prompts.user_template, system_prompt_keys,
                                              job.system_prompt or job.spec.prompts.system_template),
     }
+    if backend != "vllm":  # only then: keys stored for vLLM stay as they were
+        key["backend"] = backend
+    return key
 
 
 # The engine settings a verification is keyed by: what the model computes from (the weights' type

@@ -48,6 +48,7 @@ class RunOptions:
     on_input_ok: Optional[Callable[[], None]] = None  # once input, model, lock and database are fine
     notify: Optional[Callable[[str], None]] = None  # told what the run will redo, before it starts
     verify_gate: bool = True  # a speculative setting whose stored verification failed is not used
+    backend: str = "vllm"  # what engine_factory builds: calibrations and verdicts are keyed by it
     exits_after: bool = False  # the caller ends the process after a completed run (the CLI): see Engine.let_go
     clock: Callable[[], float] = time.perf_counter
     # (clock() when the command began, where it was read: "process" for the CLI); None: the call
@@ -140,7 +141,7 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
             opts.notify(f"running {plural(work.redone, 'stored row')} again: " + (restarted[1] if restarted else
                 "--retry-failed" if opts.retry_failed else
                 "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"))
-        key = calibration_key(job, prompt_keys(job, scan))
+        key = calibration_key(job, prompt_keys(job, scan), opts.backend)
         job, gated = _verify_gate(job, store, key, opts)
         if gated:
             work.notes.append(gated)

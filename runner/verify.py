@@ -104,9 +104,10 @@ def settings_to_verify(job: Job, store: Store) -> list[dict]:
 
 
 def verify_job(job: Job, *, rows: Optional[int] = None, engine_factory: Callable[[Job], Engine] = build_engine,
-               wait: bool = False, baseline: bool = False) -> list[Verification]:
+               wait: bool = False, baseline: bool = False, backend: str = "vllm") -> list[Verification]:
     """Run `rows` of the job's rows greedy without drafts (twice with `baseline`) and with each
-    setting; store and return the comparisons. Nothing is written to the job's results."""
+    setting; store and return the comparisons (keyed by `backend`, what engine_factory builds).
+    Nothing is written to the job's results."""
     job, _ = job_with_grammar(job)  # one backend for every engine compared, as `runner run` decides it
     scan = LocalReader(job.input_path, job.spec.input).scan()
     builder = builder_for(job)
@@ -127,7 +128,7 @@ def verify_job(job: Job, *, rows: Optional[int] = None, engine_factory: Callable
             plain = [None, None] if baseline else [None]
             # Before any engine starts, as `runner run` takes it: vLLM sets some of the environment
             # the key reads (VLLM_USE_BREAKABLE_CUDAGRAPH for some models) while it starts.
-            full = calibration_key(job, scan.system_prompt_keys)
+            full = calibration_key(job, scan.system_prompt_keys, backend)
             key, ran_with = verification_keys(full)[0], verification_settings(full)
             outputs = [_run(greedy, engine_factory, store, rb, built, s) for s in [*plain, *settings]]
             again = outputs[1] if baseline else None

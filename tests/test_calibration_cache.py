@@ -240,6 +240,28 @@ def test_calibrate_job_stores_a_choice_and_no_results(make_job):
     assert started == [4] and calibration(job.database_path)["reused_calibration_id"] == 1
 
 
+def test_the_fake_engines_choices_never_pass_for_vllms(make_job):
+    """`--engine fake` (a test seam) on a job's real database: what it measured is keyed apart, so a
+    vLLM run measures for itself, and fake runs still reuse their own."""
+    from click.testing import CliRunner
+
+    from runner.cli import cli
+
+    job = auto_job(make_job)
+    result = CliRunner().invoke(cli, ["calibrate", "--engine", "fake", str(job.path)])
+    assert result.exit_code == 0, result.output
+    con = sqlite3.connect(job.database_path)
+    assert [json.loads(k).get("backend") for (k,) in con.execute("SELECT key_json FROM calibrations")] == ["fake"]
+    con.close()
+    clock, started, factory = harness()
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)  # as vLLM: nothing stored for it
+    assert started == [0, 4] and "calibration_id" in calibration(job.database_path)
+    started.clear()
+    run_job(job, engine_factory=factory, restart=True, backend="fake", clock=lambda: clock.now)
+    assert calibration(job.database_path)["reused_calibration_id"] == 1  # the CLI's, under the fake key
+    assert len(started) == 1  # the stored choice, started directly
+
+
 def test_a_vllm_setting_from_the_environment_measures_again_and_unset_reuses(make_job, monkeypatch):
     """VLLM_USE_BREAKABLE_CUDAGRAPH and its kind change the engine's speed outside its arguments:
     a choice measured without one is not reused with it. Unset, the key is the one stored before

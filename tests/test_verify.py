@@ -80,9 +80,17 @@ def test_auto_leaves_out_a_candidate_that_failed_verification(make_job):
 
 
 def test_verify_command_prints_the_verdict_and_differences(make_job):
-    out = CliRunner().invoke(cli, ["verify", "--engine", "fake", "--rows", "4", str(make_job(rows=6))])
+    from runner.fingerprint import calibration_key, verification_keys
+
+    path = make_job(rows=6)
+    out = CliRunner().invoke(cli, ["verify", "--engine", "fake", "--rows", "4", str(path)])
     assert out.exit_code == 0, out.output
     assert "100.0% of 4 rows unchanged; passes" in out.output and "field summary" in out.output
+    # the fake engine's verdict is keyed apart: it never binds (or frees) a vLLM run's drafts
+    job = load_job(path)
+    (stored,) = sqlite3.connect(job.database_path).execute("SELECT key_sha256 FROM verifications").fetchone()
+    assert stored == verification_keys(calibration_key(job, [], "fake"))[0]
+    assert stored != verification_keys(calibration_key(job, []))[0]
     out = CliRunner().invoke(cli, ["verify", "--engine", "fake", str(make_job(rows=3, engine={"speculative": None}))])
     assert "Nothing to verify" in out.output
 
