@@ -59,17 +59,7 @@ class VllmEngine(Engine):
         sampling_params(sampling, sampling.max_tokens)  # refused settings stop here, before the model loads
         kw = llm_kwargs(cfg, model_path, sampling.seed)
         t1 = time.perf_counter()  # vLLM imported (the preload thread may have done most of it), settings built
-        try:
-            with vllm_files_here():  # its sockets and file store, removed when the process ends
-                self.llm = LLM(**kw)
-        except RunnerError:  # the runner's own interrupt (SIGTERM) arrived while vLLM started
-            raise
-        except Exception as exc:  # vLLM raises many types while starting
-            raise EngineError(f"vLLM failed to start with model {model_path}: {exc.__class__.__name__}: {exc}") from None
-        refused = graphs_of_mixed_steps(self.llm.llm_engine.vllm_config)
-        if refused:
-            self.close()  # its core stops now; nothing of it stays referenced here
-            raise EngineError(refused)
+        self._start_llm(LLM, kw, model_path)
         self._core = self.llm.llm_engine
         cache = self._core.vllm_config.cache_config
         self.kv_blocks, self.kv_block_tokens = cache.num_gpu_blocks, cache.block_size
@@ -105,6 +95,21 @@ class VllmEngine(Engine):
                                                     "pinned": cfg.grammar_mask_pinned, "wrapped": masks_wrapped},
                                   # what vLLM actually ran: InprocClient or SyncMPClient (a process of its own)
                                   "engine_core": type(getattr(self._core, "engine_core", None)).__name__})
+
+    def _start_llm(self, LLM, kw: dict, model_path: Path) -> None:
+        """self.llm = LLM(**kw), vLLM's failures as EngineError; an engine whose graphs would break
+        outputs is closed and refused."""
+        try:
+            with vllm_files_here():  # its sockets and file store, removed when the process ends
+                self.llm = LLM(**kw)
+        except RunnerError:  # the runner's own interrupt (SIGTERM) arrived while vLLM started
+            raise
+        except Exception as exc:  # vLLM raises many types while starting
+            raise EngineError(f"vLLM failed to start with model {model_path}: {exc.__class__.__name__}: {exc}") from None
+        refused = graphs_of_mixed_steps(self.llm.llm_engine.vllm_config)
+        if refused:
+            self.close()  # its core stops now; nothing of it stays referenced here
+            raise EngineError(refused)
 
     def _sampling_params(self, max_tokens: int, leader: bool = False, retry: bool = False):
         """Shared params per budget. Only final outputs come back (as in LLM.generate): building
