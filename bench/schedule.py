@@ -43,13 +43,15 @@ class Schedule:
 
     def ready(self, t: Task) -> bool:
         if reuses_first_run(t) and t.case not in self.seeds:  # wait for a first run to store its calibration
-            if any(o.case == t.case and o.config == "runner_first" for o in self.pending + self.active):
+            # this round's or an earlier one's: a later round's waits for this run (below), a deadlock
+            if any(o.case == t.case and o.config == "runner_first" and o.round <= t.round
+                   for o in self.pending + self.active):
                 return False
         if t.gpus > 1 and any(o.gpus == 1 and o.round <= t.round for o in self.pending):
             return False  # a multi-GPU run waits for its round's single-GPU runs
-        if t.gpus == 1 and any(o.gpus > 1 and o.round < t.round for o in self.pending):
-            # and the next round's wait for it: else they take each GPU as it frees, and every
-            # multi-GPU run waits for the plan's last single-GPU run (no longer interleaved)
+        if any((o.gpus > 1 or o.alone) and o.round < t.round for o in self.pending):
+            # and the next round's wait for it (or a Ray run, which needs every GPU free): else they
+            # take each GPU as it frees, and such runs wait for the plan's last single-GPU run
             return False
         return t.compile_key in self.warm or t.compile_key not in self.compiling
 

@@ -29,6 +29,7 @@ PROBES = ("torch", "vllm")  # where the engine's import spends its time
 SWITCH = "RUNNER_BYTECODE_CACHE"  # 0/off/false/no leaves Python's bytecode settings alone
 KEEP_DAYS = 30  # a folder no run used for this long (an upgraded torch or vLLM) is removed
 USED = ".last-used"  # touched by every process that sets its folder
+INHERITED = "RUNNER_PYCACHE_PREFIX"  # beside PYTHONPYCACHEPREFIX: the prefix a runner process set
 
 UNDECIDED = "not decided in this process"
 _state: dict = {"prefix": None, "set_by_runner": False, "reason": UNDECIDED}
@@ -91,8 +92,11 @@ def use_cache(root: Path, environ: MutableMapping[str, str] = os.environ,
     the engine's libraries have none beside them and Python may not write it there. Returns the
     folder set, or None where nothing changed (the reason is in `state()`)."""
     packages = tuple(packages)
-    if environ.get(SWITCH, "").strip().lower() in ("0", "off", "false", "no"):
+    if switched_off(environ):
         return _decided(None, f"{SWITCH}={environ[SWITCH]}")
+    if sys.pycache_prefix is not None and environ.get(INHERITED) == sys.pycache_prefix:
+        # a Ray actor or a spawned process of a runner that set it
+        return _decided(sys.pycache_prefix, "set by the runner process that started this one")
     if sys.pycache_prefix is not None:
         return _decided(None, "a bytecode prefix was set before (PYTHONPYCACHEPREFIX or -X pycache_prefix)")
     missing = missing_bytecode(packages)
@@ -109,7 +113,7 @@ def use_cache(root: Path, environ: MutableMapping[str, str] = os.environ,
     # Processes the runner starts read it (a forked engine core inherits the settings above). A
     # spawned one writes nothing if the runner was started with PYTHONDONTWRITEBYTECODE=1: Python
     # hands such children -B.
-    environ["PYTHONPYCACHEPREFIX"] = prefix
+    environ["PYTHONPYCACHEPREFIX"] = environ[INHERITED] = prefix
     environ.pop("PYTHONDONTWRITEBYTECODE", None)
     made = _decided(prefix, f"no bytecode beside {', '.join(missing)}, and Python may not write it there")
     if pruned:
@@ -148,6 +152,11 @@ def prune_unused(folder: Path, keep_days: float = KEEP_DAYS) -> list[str]:
         shutil.rmtree(gone, ignore_errors=True)
         pruned.append(name.group(1))
     return pruned
+
+
+def switched_off(environ: MutableMapping[str, str]) -> bool:
+    """Whether `environ` turns the cache off (RUNNER_BYTECODE_CACHE=0/off/false/no)."""
+    return environ.get(SWITCH, "").strip().lower() in ("0", "off", "false", "no")
 
 
 def _decided(prefix: Optional[str], reason: str) -> Optional[str]:

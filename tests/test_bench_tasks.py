@@ -277,41 +277,70 @@ def test_the_8b_shapes_folder_is_the_same_for_the_warm_up_and_the_measured_round
     assert folder("rb", "invoices/tight/135m") == source
 
 
+class _Plan:
+    """A benchmark Schedule on two GPUs where nothing runs: the test finishes tasks itself and
+    records which runs are active after each step."""
+
+    def __init__(self, tasks):
+        import argparse
+
+        from bench.schedule import Schedule
+
+        held = self.held = {}
+
+        class Recorded(Schedule):
+            def work(self, t, ids):
+                held[t.config, t.round] = ids
+
+        self.s = Recorded(argparse.Namespace(gpus="0,1", platform="cpu"), tasks, on_done=lambda: None)
+        self.s.warm = {t.compile_key for t in tasks}  # compiled already: runs may share the machine
+        self.order = []
+        self.start()
+
+    def start(self):
+        for th in self.s.start_ready():
+            th.join()
+        self.order.append(sorted(f"{t.config}{t.round}@{t.gpu_ids}" for t in self.s.active))
+
+    def finish(self, config, rnd):  # a run ends (stores no calibration: a runner_first "failed")
+        self.s.active.remove(next(t for t in self.s.active if (t.config, t.round) == (config, rnd)))
+        self.s.free.extend(self.held[config, rnd])
+        self.start()
+
+
+def _tasks(configs, rounds=(1, 2), case="invoices/roomy/135m"):
+    from bench.tasks import Task
+
+    return [Task(case, c, r, gpus=2 if c == "ray2" else 1) for r in rounds for c in configs]
+
+
 def test_ray_runs_have_the_machine_and_the_next_round_waits_for_the_two_gpu_run():
     """Two GPUs, rounds of plain, runner (one GPU each, side by side), ray1 and ray2: a GPU freed
     while ray2 waits for the other must not go to the next round's runs, or every ray2 would wait
     for the plan's last single-GPU run (rounds no longer interleaved); ray1 runs with no neighbour,
     as ray2 does, so that their ratio measures replicas, not neighbours."""
-    import argparse
-
-    from bench.schedule import Schedule
-    from bench.tasks import Task
-
-    case = "invoices/roomy/135m"
-    tasks = [Task(case, c, r, gpus=2 if c == "ray2" else 1) for r in (1, 2) for c in ("plain", "runner", "ray1", "ray2")]
-    held = {}
-
-    class Recorded(Schedule):
-        def work(self, t, ids):  # nothing runs: the test finishes tasks itself
-            held[t.config, t.round] = ids
-
-    s = Recorded(argparse.Namespace(gpus="0,1", platform="cpu"), tasks, on_done=lambda: None)
-    s.warm = {t.compile_key for t in tasks}  # compiled already: runs may share the machine
-    order = []
-
-    def start():
-        for th in s.start_ready():
-            th.join()
-        order.append(sorted(f"{t.config}{t.round}@{t.gpu_ids}" for t in s.active))
-
-    def finish(config, rnd):
-        s.active.remove(next(t for t in s.active if (t.config, t.round) == (config, rnd)))
-        s.free.extend(held[config, rnd])
-        start()
-
-    start()
+    plan = _Plan(_tasks(("plain", "runner", "ray1", "ray2")))
     for config, rnd in (("plain", 1), ("runner", 1), ("ray1", 1), ("ray2", 1)):
-        finish(config, rnd)
-    assert order == [["plain1@0", "runner1@1"], ["runner1@1"], ["ray11@0"], ["ray21@0,1"],
-                     ["plain2@0", "runner2@1"]]
-    assert held["ray1", 1] == ["0", "1"]  # both held, one visible to the run
+        plan.finish(config, rnd)
+    assert plan.order == [["plain1@0", "runner1@1"], ["runner1@1"], ["ray11@0"], ["ray21@0,1"],
+                          ["plain2@0", "runner2@1"]]
+    assert plan.held["ray1", 1] == ["0", "1"]  # both held, one visible to the run
+
+
+def test_a_one_gpu_ray_run_is_not_starved_by_the_next_rounds_runs():
+    """ray1 alone in the multi-GPU list: it needs every GPU free at once, so the next round's
+    single-GPU runs wait for it instead of taking each GPU as it frees."""
+    plan = _Plan(_tasks(("plain", "runner", "ray1")))
+    for config, rnd in (("plain", 1), ("runner", 1), ("ray1", 1)):
+        plan.finish(config, rnd)
+    assert plan.order == [["plain1@0", "runner1@1"], ["runner1@1"], ["ray11@0"], ["plain2@0", "runner2@1"]]
+
+
+def test_a_failed_first_run_does_not_deadlock_the_next_rounds():
+    """runner_first in every round beside ray2: when round 1's first run stores no calibration,
+    ray2 of round 1 must not wait for round 2's first run, which waits for it."""
+    plan = _Plan(_tasks(("runner_first", "ray2")))
+    plan.finish("runner_first", 1)
+    assert [r.split("@")[0] for r in plan.order[-1]] == ["ray21"]
+    plan.finish("ray2", 1)
+    assert [r.split("@")[0] for r in plan.order[-1]] == ["runner_first2"]

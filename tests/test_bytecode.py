@@ -47,7 +47,7 @@ def test_a_private_folder_is_set_where_bytecode_is_missing(packages, tmp_path):
     assert stat.S_IMODE(Path(prefix).stat().st_mode) == 0o700  # Python runs what it finds there
     assert sys.pycache_prefix == prefix and sys.dont_write_bytecode is False
     # the processes the runner starts (a forked or spawned engine core, the grammar measurement) follow
-    assert environ == {"PYTHONPYCACHEPREFIX": prefix, "PATH": "/bin"}
+    assert environ == {"PYTHONPYCACHEPREFIX": prefix, bytecode.INHERITED: prefix, "PATH": "/bin"}
     made = bytecode.state()
     assert made["prefix"] == prefix and made["set_by_runner"] and "bare" in made["reason"]
 
@@ -169,20 +169,24 @@ def test_folders_no_run_used_for_a_month_are_removed(packages, tmp_path):
 
 
 RAY_DRIVER = """
-import functools, json
+import functools, json, sys, types
 from runner import bytecode
 bytecode.use_cache = functools.partial(bytecode.use_cache, packages=["bare"])  # `bare` stands for vLLM
 from runner.engines.ray import ensure_ray
-ensure_ray(None)
+ray_cfg = types.SimpleNamespace(address=sys.argv[1] or None, env=json.loads(sys.argv[2]))
+ensure_ray(types.SimpleNamespace(spec=types.SimpleNamespace(ray=ray_cfg)))
 import ray
-print(json.dumps(ray.SEEN))
+print(json.dumps(ray.SEEN | {"state": bytecode.state()}))
 """
 
 
-def test_a_ray_driver_decides_before_importing_ray(packages, tmp_path):
+@pytest.mark.parametrize("cluster", ["local", "address", "switched off in ray.env"])
+def test_a_ray_driver_decides_before_importing_ray(packages, tmp_path, cluster):
     """`executor: ray`: the driver never imports vLLM, but a local cluster's processes (raylet, each
     replica's actor) start from its environment when Ray starts: the prefix must be set, and
-    PYTHONDONTWRITEBYTECODE gone, before Ray is imported (a stand-in `ray` records what it found)."""
+    PYTHONDONTWRITEBYTECODE gone, before Ray is imported (a stand-in `ray` records what it found).
+    A remote cluster's workers inherit nothing from the driver, and `ray.env` can switch it off:
+    then nothing changes."""
     stub = tmp_path / "stub" / "ray"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text(
@@ -190,14 +194,43 @@ def test_a_ray_driver_decides_before_importing_ray(packages, tmp_path):
         "SEEN = {'prefix': sys.pycache_prefix, 'env': os.environ.get('PYTHONPYCACHEPREFIX'),\n"
         "        'no_bytecode': os.environ.get('PYTHONDONTWRITEBYTECODE')}\n"
         "def is_initialized():\n    return True\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    drop = ("PYTHONPYCACHEPREFIX", bytecode.SWITCH, bytecode.INHERITED, "RAY_ADDRESS")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env |= {"PYTHONDONTWRITEBYTECODE": "1", "RUNNER_CACHE": str(tmp_path / "cache"),
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(packages), str(stub.parent)])}
-    proc = subprocess.run([sys.executable, "-c", RAY_DRIVER], env=env, capture_output=True, text=True)
+    address = "ray://head:10001" if cluster == "address" else ""
+    ray_env = {bytecode.SWITCH: "0"} if cluster.startswith("switched") else {}
+    proc = subprocess.run([sys.executable, "-c", RAY_DRIVER, address, json.dumps(ray_env)], env=env,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    if cluster != "local":
+        assert seen["prefix"] is None and seen["env"] is None and seen["no_bytecode"] == "1"
+        assert seen["state"]["reason"] == bytecode.UNDECIDED  # a replica decides for itself
+        return
     assert seen["prefix"] is not None and Path(seen["prefix"]).parent == tmp_path / "cache" / "pycache"
     assert seen["env"] == seen["prefix"] and seen["no_bytecode"] is None
+
+
+INHERITS = """
+import sys
+from runner import bytecode
+print(bytecode.use_cache(bytecode.Path(sys.argv[1]), packages=["bare"]), bytecode.state()["set_by_runner"])
+"""
+
+
+def test_a_process_started_by_the_runner_records_the_prefix_it_inherited(packages, tmp_path):
+    """A Ray actor starts with the driver's prefix in its environment: it says the runner set it
+    (not a prefix of the user's), and uses it; a prefix the user set stays the user's."""
+    env = {k: v for k, v in os.environ.items() if k not in (bytecode.SWITCH, bytecode.INHERITED)}
+    env |= {"PYTHONPATH": os.pathsep.join([str(ROOT), str(packages)])}
+    theirs = str(tmp_path / "theirs")
+    for marked in (True, False):
+        env_run = env | {"PYTHONPYCACHEPREFIX": theirs} | ({bytecode.INHERITED: theirs} if marked else {})
+        proc = subprocess.run([sys.executable, "-c", INHERITS, str(tmp_path / "root")], env=env_run,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ([theirs, "True"] if marked else ["None", "False"])
 
 
 @pytest.mark.parametrize("package", ["bare", "built"])

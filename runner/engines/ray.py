@@ -10,6 +10,7 @@ so that routing and resume are tested without starting Ray.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -26,17 +27,27 @@ _STEP_S = 0.05  # how long a replica call may gather completions before it answe
 
 def ensure_ray(job):
     """Connect to the job's Ray cluster (ray.address, else RAY_ADDRESS), or start a local one."""
-    from runner.bytecode import engine_bytecode
-
-    # Before Ray's import: the driver then reads Ray's bytecode too, and a local cluster's processes
-    # (each replica's actor imports Ray, the runner and vLLM) inherit the prefix from this environment.
-    engine_bytecode()
-    import ray
-
     with _INIT_LOCK:  # the input reader's thread and the engine may both get here first
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():
+            _local_cluster_bytecode(job)
+        import ray
+
         if not ray.is_initialized():
             _init_ray(ray, job)
     return ray
+
+
+def _local_cluster_bytecode(job) -> None:
+    """Before Ray starts a local cluster (and before its import): the driver then reads Ray's
+    bytecode too, and the cluster's processes (each replica's actor imports Ray, the runner and
+    vLLM) inherit the prefix from this environment. A remote cluster's workers would not."""
+    from runner.bytecode import engine_bytecode, switched_off
+
+    cfg = job.spec.ray
+    if cfg.address or os.environ.get("RAY_ADDRESS") or switched_off(cfg.env):
+        return
+    engine_bytecode()
 
 
 def _init_ray(ray, job) -> None:
