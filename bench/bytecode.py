@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runner.bytecode import bytecode_beside  # noqa: E402
+
 IMPORT = "import vllm; from vllm import LLM"
 
 
@@ -36,15 +39,6 @@ def timed(env: dict) -> float:
     if proc.returncode:
         raise SystemExit(f"the import failed: {proc.stderr[-1500:]}")
     return round(time.perf_counter() - t0, 2)
-
-
-def bytecode_beside(package: str) -> bool | None:
-    """Whether the package's __init__ has bytecode beside its source (None: not found)."""
-    import importlib.util
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.origin:
-        return None
-    return Path(importlib.util.cache_from_source(spec.origin)).exists()
 
 
 def main() -> None:
@@ -68,7 +62,10 @@ def main() -> None:
     doc = {"what": "seconds of `" + IMPORT + "` in a fresh process", "python": sys.version.split()[0],
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
            "PYTHONDONTWRITEBYTECODE": base.get("PYTHONDONTWRITEBYTECODE"),
-           "bytecode_beside": {p: bytecode_beside(p) for p in ("torch", "sympy", "vllm", "transformers")},
+           # None: not found as plain source files
+           "bytecode_beside": {p: beside if origin else None
+                               for p in ("torch", "sympy", "vllm", "transformers")
+                               for origin, beside in [bytecode_beside(p)]},
            "runs_s": runs, "median_s": med}
     print(f"{'config':<14} {'median s':>9}  runs")
     for k, v in runs.items():

@@ -35,22 +35,29 @@ UNDECIDED = "not decided in this process"
 _state: dict = {"prefix": None, "set_by_runner": False, "reason": UNDECIDED}
 
 
-def missing_bytecode(packages: Iterable[str] = PROBES) -> list[str]:
-    """The packages, of those installed, whose `__init__` has no bytecode beside its source that
-    Python would read (found without importing them) and where Python may not write it."""
+def bytecode_beside(name: str) -> tuple[Optional[str], bool]:
+    """The package's `__init__` source (found without importing it; None: not installed, or not
+    plain source files, a zip or an extension) and whether Python's bytecode of it is beside it."""
     import importlib.util
 
+    try:
+        spec = importlib.util.find_spec(name)
+    except Exception:  # a broken finder (an editable install's, say) is no reason to fail a run
+        return None, False
+    if spec is None or not spec.origin or not spec.origin.endswith(".py") or not os.path.isfile(spec.origin):
+        return None, False
+    return spec.origin, os.path.exists(importlib.util.cache_from_source(spec.origin))
+
+
+def missing_bytecode(packages: Iterable[str] = PROBES) -> list[str]:
+    """The packages, of those installed, whose `__init__` has no bytecode beside its source that
+    Python would read and where Python may not write it."""
     missing = []
     for name in packages:
-        try:
-            spec = importlib.util.find_spec(name)
-        except Exception:  # a broken finder (an editable install's, say) is no reason to fail a run
+        origin, beside = bytecode_beside(name)
+        if origin is None or beside:
             continue
-        if spec is None or not spec.origin or not spec.origin.endswith(".py") or not os.path.isfile(spec.origin):
-            continue  # not installed, or not plain source files (a zip, an extension)
-        if os.path.exists(importlib.util.cache_from_source(spec.origin)):
-            continue
-        writable = not sys.dont_write_bytecode and os.access(os.path.dirname(spec.origin), os.W_OK)
+        writable = not sys.dont_write_bytecode and os.access(os.path.dirname(origin), os.W_OK)
         if not writable:  # else Python writes it beside the source itself, once
             missing.append(name)
     return missing
@@ -115,10 +122,7 @@ def use_cache(root: Path, environ: MutableMapping[str, str] = os.environ,
     # hands such children -B.
     environ["PYTHONPYCACHEPREFIX"] = environ[INHERITED] = prefix
     environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    made = _decided(prefix, f"no bytecode beside {', '.join(missing)}, and Python may not write it there")
-    if pruned:
-        _state["pruned"] = pruned
-    return made
+    return _decided(prefix, f"no bytecode beside {', '.join(missing)}, and Python may not write it there", pruned)
 
 
 def prune_unused(folder: Path, keep_days: float = KEEP_DAYS) -> list[str]:
@@ -159,9 +163,11 @@ def switched_off(environ: MutableMapping[str, str]) -> bool:
     return environ.get(SWITCH, "").strip().lower() in ("0", "off", "false", "no")
 
 
-def _decided(prefix: Optional[str], reason: str) -> Optional[str]:
+def _decided(prefix: Optional[str], reason: str, pruned: Iterable[str] = ()) -> Optional[str]:
     _state.update(prefix=sys.pycache_prefix, set_by_runner=prefix is not None, reason=reason)
     _state.pop("pruned", None)
+    if pruned:  # the folders prune_unused removed
+        _state["pruned"] = list(pruned)
     return prefix
 
 
