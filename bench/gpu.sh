@@ -25,8 +25,12 @@
 #   WARMUP="invoices/tight/135m=plain,runner;invoices/roomy/135m=ray1" BENCH_COMMIT=<commit> bash bench/gpu.sh \
 #     start --repeats 3 --deadline-s 1100 --cases "invoices/tight/135m=plain,sorted,runner,nobytecode" \
 #     --multi "invoices/roomy/135m=ray1,ray2"
-# Next on two GPUs: the engine core in each replica's actor (ip), which Ray replicas' LLM(...) would
-# gain most from (19-24 s against the local runner's 14-19 s): --multi "invoices/roomy/135m=ray1,ray2,ray1ip,ray2ip".
+# The engine core in a replica's actor (ip) was measured on one H200 at d1e54b6 (two pairs of ray1 and
+# ray1ip): it started ~3 s sooner but generated at 0.7x; it stays off. The 135M with a stored
+# calibration was measured in the same lease (~1,450 s of device time with the second ray pair):
+#   WARMUP="invoices/tight/135m=plain,runner;invoices/roomy/135m=ray1" BENCH_COMMIT=<commit> bash bench/gpu.sh \
+#     start --repeats 3 --multi-repeats 1 --deadline-s 1000 --multi "invoices/roomy/135m=ray1,ray1ip" \
+#     --cases "invoices/tight/135m=runner_first@1;invoices/tight/135m=plain,sorted,runner"
 # Next, if a change to admission or the engine start is to be measured: the 135M plan again
 #   WARMUP="invoices/tight/135m=plain,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
 #     --repeats 3 --deadline-s 900 --cases "invoices/tight/135m=sorted,runner,<variant>"
@@ -54,10 +58,9 @@
 # The device keeps a machine only 30 s after a call: poll with back-to-back `wait 290` calls.
 # Staging takes ~1 min of device time, `install` ~1.5 min; a fresh machine's first vLLM start takes
 # ~3 min even eager, so a one-off check needs ~6 min of device time, not 3.
-# On nvidia-h200-x2 (two replicas, 8,192 documents; Ray needs EXTRA="ray[data]" in the wheelhouse), with
-# each replica's engine core in its actor's process (ip) against vLLM's own process:
-#   WARMUP="invoices/roomy/135m=runner" bash bench/gpu.sh start --cases "" --deadline-s 1100 \
-#     --multi "invoices/roomy/135m=ray1,ray2,ray1ip,ray2ip@2"
+# On nvidia-h200-x2 (two replicas, 8,192 documents; Ray needs EXTRA="ray[data]" in the wheelhouse):
+#   WARMUP="invoices/roomy/135m=ray1" bash bench/gpu.sh start --cases "" --deadline-s 1100 \
+#     --multi "invoices/roomy/135m=ray1,ray2"
 set -u
 BENCH="${BENCH:-bench/bench.py}"
 export PYTHONPATH=/tmp/site VLLM_CACHE_ROOT=/tmp/vllm-cache RUNNER_CACHE=/tmp/runner-cache PYTHONUNBUFFERED=1 \
