@@ -11,6 +11,7 @@ Then measure the winner on the GPU.
 
     python bench/admission_sim.py --shape 8b --out /tmp/sim.json
     python bench/admission_sim.py --shape 8b --prompt 1056,167 --policies runner,runner-noshared
+    python bench/admission_sim.py --shape 8b --prompt 1056,167 --windows 260,520,1000,2000   # ramp, steady, tail
 
 `--prompt 1056,167` is the invoices workload's split as measured on the H200 (1,223 prompt tokens
 a row, 80.2% prefix hits); with it the simulator's runner before the shared-head fix
@@ -24,6 +25,7 @@ import random
 import sys
 from collections import deque
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -71,6 +73,9 @@ class RunnerSide:
                           project="peaks" not in opts, pace="nopace" not in opts, usage_feedback="feedback" in opts)
         self.feed = Feed(budget, 4 * max_num_seqs, max(32, max_num_seqs // 4), "nowarm" not in opts,
                          clock=clock, waves="nowave" not in opts)
+        if "paceearly" in opts:  # a variant tried, not shipped: pace before any length is known, as
+            # if every row ran to max_tokens (one length for all), instead of admitting by peaks then
+            budget.uniform_outputs = lambda: not budget.lengths.known() or KvBudget.uniform_outputs(budget)
         ordered = sorted(reqs, key=lambda r: int(r.group[1:]))
         self.by_id = {r.rid: r for r in ordered}
         # shortNN: the runner believes each group's shared head NN tokens shorter than vLLM caches
@@ -117,19 +122,35 @@ def step_seconds(shape: dict, eng: Vllm, done: list, prefill: int, ctx: int, jit
     return step_s * (jitter.lognormvariate(0, shape["noise"]) if shape.get("noise") else 1.0)
 
 
-def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -> dict:
+def window_means(trace: list[tuple[int, int]], bounds: list[int], blocks: int) -> list[dict]:
+    """Requests running and KV usage (share of the blocks) averaged over the steps between bounds,
+    the last window to the end: where a run stays below its steady state (ramp, tail)."""
+    edges = [0, *[b for b in bounds if 0 < b < len(trace)], len(trace)]
+    out = []
+    for lo, hi in zip(edges, edges[1:]):
+        part = trace[lo:hi]
+        out.append({"steps": f"{lo}-{hi}", "running": round(sum(r for r, _ in part) / len(part), 1),
+                    "kv_usage": round(sum(u for _, u in part) / len(part) / blocks, 3)})
+    return out
+
+
+def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256,
+        windows: Optional[list[int]] = None) -> dict:
     """policy: plain (arrival order straight to vLLM), sorted, or runner[-option...], options: nowarm,
     noadmit (no KV budget), peaks (no projection), nopace, nowave (admission waves off), feedback
     (the count checked against vLLM's usage: kv_usage_feedback), overNNN (a budget of NNN% of the
     blocks), shortNN (the runner counts NN fewer shared tokens a row than vLLM caches: a count above
     vLLM's own usage), noshared (requests do not carry their group's head: the runner before commit
-    'shared_tokens' counted the head twice while a group's first row ran).
+    'shared_tokens' counted the head twice while a group's first row ran), paceearly (the pace
+    before any output length is known, every row taken to run to max_tokens).
+    windows: step bounds at which to split the run's means of requests running and KV usage.
     shape["mixed"]: seconds a step that prefills costs beyond one that only decodes (vLLM runs it
     piecewise, not as one CUDA graph); the runner's Cadence fits it from the simulated clock.
     shape["noise"]: the sigma of a lognormal factor on every step's time (a fixed seed)."""
     eng = Vllm(shape["blocks"], shape["prefix"], max_num_seqs=max_num_seqs)
     jitter = random.Random(7)
     steps = seconds = running_sum = mixed_steps = used_sum = finished = 0
+    trace: list[tuple[int, int]] = []  # (requests running, blocks used) of each step
     side = None
     if policy in ("plain", "sorted"):
         eng.waiting.extend(sorted(reqs, key=lambda r: int(r.group[1:])) if policy == "sorted" else reqs)
@@ -144,8 +165,9 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -
                 raise RuntimeError(f"{policy}: nothing in flight and nothing sent after {steps} steps: admission stalled")
         done, prefill, ctx = eng.step()
         steps += 1
-        running_sum += len(eng.running) + len(done)
-        used_sum += eng.used() + sum(eng.private(r) for r in done)  # as the step ran: before its finished rows left
+        trace.append((len(eng.running) + len(done), eng.used() + sum(eng.private(r) for r in done)))
+        running_sum += trace[-1][0]
+        used_sum += trace[-1][1]  # as the step ran: before its finished rows left
         mixed_steps += prefill > 0
         seconds += step_seconds(shape, eng, done, prefill, ctx, jitter)
         if side is not None:
@@ -159,7 +181,7 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256) -
             "hit_rate": round(eng.hit_tokens / max(eng.query_tokens, 1), 3), "mixed_steps": mixed_steps,
             "kv_usage_correction_max_blocks": feed.budget.feedback.max_blocks if feed else None,
             "wave_holds": waves.get("wave_holds"), "waves_fitted": waves.get("waves_fitted"),
-            "wave_fit": waves.get("wave_fit")}
+            "wave_fit": waves.get("wave_fit")} | ({"windows": window_means(trace, windows, eng.blocks)} if windows else {})
 
 
 def main() -> None:
@@ -176,6 +198,7 @@ def main() -> None:
     ap.add_argument("--mixed-ms", type=float, default=0.0,
                     help="extra milliseconds of a step that prefills (not one CUDA graph); 0: the fitted cost model")
     ap.add_argument("--noise", type=float, default=0.0, help="sigma of a lognormal factor on each step's time")
+    ap.add_argument("--windows", default="", help="step bounds, comma-separated: means of each stretch between them")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     shape = SHAPES[a.shape] | ({"max_tokens": a.max_tokens} if a.max_tokens else {}) | {"mixed": a.mixed_ms / 1e3, "noise": a.noise}
@@ -185,7 +208,7 @@ def main() -> None:
     for seed in (int(x) for x in a.seeds.split(",")):
         for p in a.policies.split(","):
             reqs = workload(a.docs, a.groups, shape, seed, a.long_rows, a.long_groups)
-            rows.append({"seed": seed} | run(p, reqs, shape))
+            rows.append({"seed": seed} | run(p, reqs, shape, windows=[int(x) for x in a.windows.split(",") if x]))
             print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     if a.out:
         a.out.write_text(json.dumps({"shape": a.shape, "docs": a.docs, "groups": a.groups, "max_tokens": shape["max_tokens"],

@@ -81,3 +81,28 @@ def test_requests_queued_in_vllm_give_no_correction():
     for slots in (20, 40):
         on = run("runner-feedback", workload(512, 32, shape), shape, max_num_seqs=slots)
         assert on["kv_usage_correction_max_blocks"] == 0
+
+
+def test_windows_split_a_run_into_its_ramp_steady_state_and_tail():
+    """The windows' means, weighted by their steps, give the run's own mean. On the 8B shape (every
+    output as long) the start's requests, admitted by their peaks before any length is known, go in
+    together and finish together (fewer run in the next window); once the pace spreads admissions
+    out, the run holds more of the cache than at its start."""
+    shape = small_8b()
+    r = run("runner", workload(256, 8, shape), shape, windows=[260, 520, 1000])
+    spans = [tuple(map(int, w["steps"].split("-"))) for w in r["windows"]]
+    assert spans[0][0] == 0 and spans[-1][1] == r["steps"] and len(spans) == 4
+    weighted = sum((hi - lo) * w["running"] for (lo, hi), w in zip(spans, r["windows"])) / r["steps"]
+    assert abs(weighted - r["avg_running"]) < 0.2
+    start, dip, paced = r["windows"][:3]
+    assert dip["running"] < start["running"] and paced["kv_usage"] > start["kv_usage"]
+
+
+def test_pacing_before_lengths_are_known_admits_fewer_at_the_start():
+    """paceearly paces the first admissions too (every row taken to run to max_tokens), so fewer
+    requests run in the first output's steps than when the start is admitted by peaks."""
+    shape = small_8b()
+    base = run("runner", workload(256, 8, shape), shape, windows=[200])
+    early = run("runner-paceearly", workload(256, 8, shape), shape, windows=[200])
+    assert early["windows"][0]["running"] < base["windows"][0]["running"]
+    assert early["preemptions"] == base["preemptions"] == 0
