@@ -206,3 +206,24 @@ def test_ray_reads_json_lines_whose_id_changes_type_as_a_local_run_does(make_job
     local, ray = _read_both(job)
     assert [r["id"] for r in local] == ["7", "r8", "9"]
     assert ray == local
+
+
+@pytest.mark.parametrize("decided", [True, False])
+def test_the_drivers_bytecode_decision_is_recorded_beside_the_replicas(make_job, monkeypatch, decided):
+    """Before a local cluster starts, the driver decides the bytecode prefix (and removes folders
+    unused for 30 days): the run's stats keep that decision beside each replica's, and nothing
+    where the driver made none (a remote cluster)."""
+    from runner import bytecode
+
+    state = ({"prefix": "/c/pycache/x", "set_by_runner": True, "reason": "no bytecode beside torch",
+              "pruned": ["/c/pycache/old"]} if decided else dict(bytecode._state, reason=bytecode.UNDECIDED))
+    monkeypatch.setattr(bytecode, "_state", state)
+    job = load_job(make_job(rows=4, job={"ray": {"replicas": 2}}))
+    run_job(job, engine_factory=Replicas().engine)
+    choice = json.loads(sqlite3.connect(job.database_path).execute("SELECT engine_choice_json FROM run_stats").fetchone()[0])
+    engine = choice["engines"][0]
+    assert len(engine["replicas"]) == 2
+    if decided:
+        assert engine["driver_bytecode_cache"]["pruned"] == ["/c/pycache/old"]
+    else:
+        assert "driver_bytecode_cache" not in engine

@@ -266,7 +266,15 @@ class RayEngine(Engine):
         return self._get(self.cluster.call(self.replicas[0], "expected_batch", req), "failed")
 
     def adaptation(self) -> dict:
-        return {"replicas": [self._get(self.cluster.call(r, "adaptation"), "failed") for r in self.replicas]}
+        """Each replica's, and the driver's bytecode decision where it made one (before starting a
+        local cluster: the prefix the replicas inherit, and the unused folders it removed)."""
+        from runner import bytecode
+
+        out = {"replicas": [self._get(self.cluster.call(r, "adaptation"), "failed") for r in self.replicas]}
+        driver = bytecode.state()
+        if driver["reason"] != bytecode.UNDECIDED:
+            out["driver_bytecode_cache"] = driver
+        return out
 
     def close(self) -> None:
         if getattr(self, "replicas", None):
