@@ -18,6 +18,10 @@ from typing import Iterator, Optional, TextIO
 
 from runner.errors import StoreError
 
+# A job run from cron appends to its engine log every night (~15 KB a short GPU run, ~200 KB an hour
+# of vLLM's 5-second stats): past this size a run starts a new log and keeps the last one as .1.
+LOG_KEEP_BYTES = 32 << 20
+
 
 @dataclass
 class Console:
@@ -36,6 +40,20 @@ def console() -> Console:
 def log_path_for(database: Path, job_name: str) -> Path:
     """The engine log of a job, beside its results database (as its lock file is)."""
     return Path(f"{database}.{job_name}.log")
+
+
+def rotate_if_large(log: Path, limit: int) -> Optional[Path]:
+    """Move a log of `limit` bytes or more to LOG.1 (replacing an older one), so that a nightly job's
+    log does not grow without end; the path it went to, or None. A log another process rotated or
+    is writing meanwhile is left as it is (that process keeps writing to the file it opened)."""
+    try:
+        if log.stat().st_size < limit:
+            return None
+        kept = log.with_name(log.name + ".1")
+        os.replace(log, kept)
+        return kept
+    except OSError:  # gone meanwhile, or not ours to move: appending to it is still right
+        return None
 
 
 def _terminal(stream: TextIO, fd: int) -> tuple[TextIO, Optional[int]]:
@@ -59,6 +77,8 @@ def engine_output_to(log: Optional[Path], header: str = "") -> Iterator[Console]
     out, out_fd = _terminal(sys.stdout, 1)
     err, err_fd = _terminal(sys.stderr, 2)
     saved = (os.dup(1), os.dup(2))
+    if log is not None:
+        rotate_if_large(log, LOG_KEEP_BYTES)  # before `made`: a new log after it is ours to remove too
     made = [] if log is None else [p for p in (log.parent, log) if not p.exists()]  # ours to remove on failure
     try:
         if log is not None:

@@ -472,3 +472,35 @@ def test_an_archived_job_without_its_schema_or_engine_config_still_shows_exports
         assert out.exit_code == 0, (args, out.output)
     bad = invoke("stats", "--job", job, "--set", "output.databse=x.sqlite")  # the job file itself is still checked
     assert bad.exit_code == 2 and "output.databse: unknown key" in bad.output
+
+
+def test_a_large_engine_log_is_kept_as_dot_1_and_a_new_one_started(make_job, tmp_path, monkeypatch):
+    """A nightly job appends to its engine log: once the log reaches LOG_KEEP_BYTES, the next run
+    moves it to LOG.1 (replacing the older one) and writes a new log; below it, runs append."""
+    from runner import console
+
+    monkeypatch.setattr(console, "LOG_KEEP_BYTES", 4096)
+    job = make_job(rows=3)
+    log = tmp_path / "out" / "results.sqlite.t.log"
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    first = log.read_text()
+    assert invoke("run", "--engine", "fake", "--quiet", "--restart", job).exit_code == 0
+    assert log.read_text().startswith(first) and log.read_text().count("==== ") == 2  # small: appended
+    log.write_text("old night\n" * 500)  # 5,000 bytes: over the limit
+    assert invoke("run", "--engine", "fake", "--quiet", "--restart", job).exit_code == 0
+    kept = log.with_name(log.name + ".1")
+    assert kept.read_text() == "old night\n" * 500
+    assert "old night" not in log.read_text() and log.read_text().count("==== ") == 1
+    log.write_text("another night\n" * 400)
+    assert invoke("run", "--engine", "fake", "--quiet", "--restart", job).exit_code == 0
+    assert kept.read_text() == "another night\n" * 400  # the older .1 replaced: two logs at most
+
+
+def test_rotating_a_log_that_is_gone_or_small_moves_nothing(tmp_path):
+    from runner.console import rotate_if_large
+
+    assert rotate_if_large(tmp_path / "none.log", 10) is None
+    small = tmp_path / "small.log"
+    small.write_text("x")
+    assert rotate_if_large(small, 10) is None and small.read_text() == "x"
+    assert rotate_if_large(small, 1) == tmp_path / "small.log.1" and not small.exists()
