@@ -45,9 +45,10 @@ def log_path_for(database: Path, job_name: str) -> Path:
 def rotate_if_large(log: Path, limit: int) -> Optional[Path]:
     """Move a log of `limit` bytes or more to LOG.1 (replacing an older one), so that a nightly job's
     log does not grow without end; the path it went to, or None. A log another process rotated or
-    is writing meanwhile is left as it is (that process keeps writing to the file it opened)."""
+    is writing meanwhile is left as it is (that process keeps writing to the file it opened); so is
+    a link (the user's own place for it, rotated there)."""
     try:
-        if log.stat().st_size < limit:
+        if log.is_symlink() or log.stat().st_size < limit:
             return None
         kept = log.with_name(log.name + ".1")
         os.replace(log, kept)

@@ -504,3 +504,9 @@ def test_rotating_a_log_that_is_gone_or_small_moves_nothing(tmp_path):
     small.write_text("x")
     assert rotate_if_large(small, 10) is None and small.read_text() == "x"
     assert rotate_if_large(small, 1) == tmp_path / "small.log.1" and not small.exists()
+    elsewhere = tmp_path / "var-log" / "job.log"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text("y" * 100)
+    linked = tmp_path / "linked.log"
+    linked.symlink_to(elsewhere)
+    assert rotate_if_large(linked, 10) is None and linked.is_symlink()  # the user's place: left alone
