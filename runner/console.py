@@ -78,8 +78,6 @@ def engine_output_to(log: Optional[Path], header: str = "") -> Iterator[Console]
     out, out_fd = _terminal(sys.stdout, 1)
     err, err_fd = _terminal(sys.stderr, 2)
     saved = (os.dup(1), os.dup(2))
-    if log is not None:
-        rotate_if_large(log, LOG_KEEP_BYTES)  # before `made`: a new log after it is ours to remove too
     made = [] if log is None else [p for p in (log.parent, log) if not p.exists()]  # ours to remove on failure
     try:
         if log is not None:

@@ -57,3 +57,20 @@ class JobLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def held(database: Path, job_name: str) -> bool:
+    """Whether a process holds the job's lock now (a run, a calibration, a verification): a quick
+    look, for what must not be done under a running job (its engine log moved away)."""
+    try:
+        fd = os.open(Path(f"{database}.{job_name}.lock"), os.O_RDWR)
+    except OSError:  # no lock file: nothing ever ran, or it cannot be opened: nothing to respect
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)

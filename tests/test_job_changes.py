@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from runner.cli import cli
 from runner.engines.fake import FakeEngine
+from runner.lock import JobLock
 from runner.run import run_job
 from runner.spec import load_job
 from tests.conftest import SCHEMA, SYSTEM_A
@@ -494,6 +495,21 @@ def test_a_large_engine_log_is_kept_as_dot_1_and_a_new_one_started(make_job, tmp
     log.write_text("another night\n" * 400)
     assert invoke("run", "--engine", "fake", "--quiet", "--restart", job).exit_code == 0
     assert kept.read_text() == "another night\n" * 400  # the older .1 replaced: two logs at most
+    # a command the job's lock refuses leaves the running job's log where it writes it
+    log.write_text("live run\n" * 600)
+    with JobLock(tmp_path / "out" / "results.sqlite", "t"):
+        assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 75
+    assert log.read_text().startswith("live run\n" * 600) and kept.read_text() == "another night\n" * 400
+
+
+def test_a_job_lock_is_seen_held_only_while_a_process_holds_it(tmp_path):
+    from runner.lock import held
+
+    db = tmp_path / "r.sqlite"
+    assert not held(db, "t")  # no lock file yet
+    with JobLock(db, "t"):
+        assert held(db, "t")
+    assert not held(db, "t")
 
 
 def test_rotating_a_log_that_is_gone_or_small_moves_nothing(tmp_path):
