@@ -32,7 +32,7 @@ def validate(job, overrides):
     ready = is_model_dir(spec.model_path, weights=spec.engine.needs_weights)
     if not ready and spec.spec.executor == "local":  # `runner run` would stop there: so does this
         raise ModelError(missing_model(spec.model_path))
-    refuse_unwritable(spec.database_path)
+    refuse_unwritable(spec.database_path, spec.name)
     say(f"OK: {job}")
     say(table([
         ("input", f"{scan.rows:,} rows in {len(scan.files)} file(s)"

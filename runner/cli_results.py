@@ -114,7 +114,9 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
             return
         raise
     if as_json:
-        say(json.dumps([_run_json(store, r) for r in runs], indent=1, default=str))
+        text = json.dumps([_run_json(store, r) for r in runs], indent=1, default=str)
+        store.check_unchanged()  # read without locks while a run wrote: not printed for monitoring
+        say(text)
         return
     for r in runs:
         s = store.stats(r["id"]) or _killed_run_stats(r)
@@ -128,6 +130,7 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
             ("engine", f"{r['engine_backend'] or '-'} {r['engine_version'] or ''} {r['engine_settings_json'] or ''}"),
             ("engine log", r.get("log_path") or "-"),
         ] + ([("error", r["error"])] if r["error"] else [])))
+    store.check_unchanged()
 
 
 def _file_path(output: str) -> Path:
@@ -210,6 +213,7 @@ def report(run_id, job, db, overrides, output):
     store, job_name = _open_store(job, db, overrides)
     _run_of(store, run_id, job_name)
     html = render_report(store, run_id)
+    store.check_unchanged()
     if output == "-":
         say(html, nl=False)
         return

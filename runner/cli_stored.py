@@ -58,6 +58,7 @@ def status(job, overrides):
         say(table(rows))
     say(f"earlier results kept in results_history: {history['history_rows']:,}")
     say(_next_run(spec, store))
+    store.check_unchanged()
 
 
 @cli.command()

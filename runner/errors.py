@@ -70,6 +70,13 @@ class LockedError(RunnerError):
     exit_code = 75  # EX_TEMPFAIL: cron wrappers treat it as "try later"
 
 
+class ChangedWhileRead(RunnerError):
+    """A reading command that could not take SQLite's locks (another user's database, a read-only
+    folder) found the file changed under it: a run wrote meanwhile. Not damage: try again."""
+
+    exit_code = 75  # EX_TEMPFAIL, as for a running job: "try later"
+
+
 class TooManyFailed(RunnerError):
     """The run completed, but more of the input's rows are not ok than output.max_failed_fraction allows."""
 

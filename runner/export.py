@@ -73,10 +73,11 @@ def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path
         written[0] = _write(_tables(store.results_of(run_id, job_name), fields, schema), schema, fmt, sink)
 
     if out is not None:
-        write_whole(out, write, reading=store.path)
+        write_whole(out, write, reading=store.path, check=store.check_unchanged)
         return written[0]
     try:
         write(None)
+        store.check_unchanged()
         sys.stdout.flush()
     except OSError as exc:
         if isinstance(exc, BrokenPipeError) or exc.errno == errno.EPIPE or "Broken pipe" in str(exc):
@@ -167,12 +168,14 @@ def _cell(v, text: bool):
     return json.dumps(v, ensure_ascii=False)
 
 
-def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Path] = None) -> None:
+def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Path] = None,
+                check: Optional[Callable[[], None]] = None) -> None:
     """A file written whole or not at all: `write` fills a file beside `path`, which is then
     renamed over it, so a failed write (a full disk) leaves the file from before as it was. A
     symbolic link keeps pointing where it did, at the new file; a path that is not a regular file
     (a pipe, `/dev/stdout`, a device) is written into as it is. `reading` (the results database the
-    rows come from) is refused as the path. Exports and reports; an OutputFileError names the path."""
+    rows come from) is refused as the path; `check` runs before the file replaces the old one (a read
+    that may be mixed leaves it as it was). Exports and reports; an OutputFileError names the path."""
     target = Path(os.path.realpath(path))
     if reading is not None and _same_database(target, reading):
         raise OutputFileError(f"{path}: is the results database being read: give another file")
@@ -187,6 +190,8 @@ def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Pat
             write(path)
         except OSError as exc:
             raise OutputFileError(f"{path}: cannot write: {exc.strerror or exc}") from None
+        if check is not None:  # written already: the exit code says what it holds
+            check()
         return
     part = target.with_name(f".{target.name}.part")
     try:
@@ -196,6 +201,8 @@ def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Pat
             raise OutputFileError(f"{path}: cannot write: {_file_in_the_way(target.parent)} is a file, "
                                   "not a folder") from None
         write(part)
+        if check is not None:
+            check()
         os.replace(part, target)
     except BaseException as exc:  # a full disk, or a failure while the rows are read (the part goes too)
         with contextlib.suppress(OSError):

@@ -13,9 +13,14 @@ from pathlib import Path
 from runner.errors import LockedError, StoreError
 
 
+def lock_path(database: Path, job_name: str) -> Path:
+    """The job's lock file, beside its results database."""
+    return Path(f"{database}.{job_name}.lock")
+
+
 class JobLock:
     def __init__(self, database: Path, job_name: str, wait: bool = False, poll_s: float = 0.5):
-        self.path = Path(f"{database}.{job_name}.lock")
+        self.path = lock_path(database, job_name)
         self.wait = wait
         self.poll_s = poll_s
         self._fd: int | None = None
@@ -63,7 +68,7 @@ def held(database: Path, job_name: str) -> bool:
     """Whether a process holds the job's lock now (a run, a calibration, a verification): a quick
     look, for what must not be done under a running job (its engine log moved away)."""
     try:
-        fd = os.open(Path(f"{database}.{job_name}.lock"), os.O_RDWR)
+        fd = os.open(lock_path(database, job_name), os.O_RDWR)
     except OSError:  # no lock file: nothing ever ran, or it cannot be opened: nothing to respect
         return False
     try:

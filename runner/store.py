@@ -24,7 +24,8 @@ from runner.rows import RESULT_COLUMNS, STATUSES, ResultRow, StatsRow
 from runner.store_history import HistoryRecords
 from runner.store_input import InputRecords
 from runner.store_speculation import SpeculationRecords
-from runner.store_sqlite import DoneFilter, Transaction, refuse_foreign, short_error, sqlite_engine
+from runner.store_sqlite import (DoneFilter, Transaction, check_unchanged, refuse_foreign, short_error, sqlite_engine,
+                                 unlocked_read)
 
 _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
                    f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
@@ -44,7 +45,8 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
         self.read_only = read_only
         refuse_foreign(self.path)  # before the first connection, which would switch it to WAL
         try:
-            self.engine = sqlite_engine(self.path, read_only)
+            self._seen = unlocked_read(self.path) if read_only else None
+            self.engine = sqlite_engine(self.path, read_only, self._seen)
             if not read_only:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 # One IMMEDIATE transaction takes the write lock first: every migration lands or none
@@ -92,6 +94,11 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def check_unchanged(self) -> None:
+        """ChangedWhileRead where this reading Store had no locks (another user's file, a read-only
+        folder) and a run has written to the file since it opened: what was read may be mixed."""
+        check_unchanged(self.path, self._seen)
 
     def check_integrity(self) -> None:
         """PRAGMA quick_check: refuse a damaged file (a broken unique index would store rows twice)."""

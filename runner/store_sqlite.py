@@ -14,15 +14,17 @@ from urllib.parse import quote
 from sqlalchemy import create_engine, event
 from sqlalchemy.exc import SQLAlchemyError
 
-from runner.errors import StoreError
+from runner.errors import ChangedWhileRead, StoreError
 
 BUSY_TIMEOUT_MS = 30_000
+IMMUTABLE = "&immutable=1"  # read_uri's read without SQLite's locks
 
 
-def sqlite_engine(path: Path, read_only: bool = False):
+def sqlite_engine(path: Path, read_only: bool = False, seen: Optional[tuple] = None):
     """A SQLAlchemy engine on the file, every connection set up by _pragmas, every transaction
     begun by _begin (BEGIN, or what the connection's `sqlite_begin` option says). `read_only`: for
-    commands that only read, through read_uri (a read-only mount, a backup share)."""
+    commands that only read, through read_uri (a read-only mount, a backup share); `seen`: the file
+    as unlocked_read found it, for a read without locks."""
     if read_only:
         uri = read_uri(path)
         engine = create_engine(f"sqlite:///{path}", creator=lambda: sqlite3.connect(
@@ -31,16 +33,41 @@ def sqlite_engine(path: Path, read_only: bool = False):
         engine = create_engine(f"sqlite:///{path}")
     event.listen(engine, "connect", _read_pragmas if read_only else _pragmas)
     event.listen(engine, "begin", _begin)
-    event.listen(engine, "handle_error", lambda ctx: _damaged(path, ctx.original_exception))
+    event.listen(engine, "handle_error", lambda ctx: _damaged(path, ctx.original_exception, seen))
     return engine
 
 
-def _damaged(path: Path, exc: BaseException) -> None:
+def _signature(path: Path) -> tuple:
+    """What a run's write to the file changes (a checkpoint folds its write-ahead log in)."""
+    try:
+        st = path.stat()
+        return st.st_size, st.st_mtime_ns
+    except OSError:
+        return ()
+
+
+def unlocked_read(path: Path) -> Optional[tuple]:
+    """The file's signature where read_uri reads it without SQLite's locks (immutable: no -shm file
+    and this user cannot make one), for check_unchanged; None where the locks keep a read whole."""
+    return _signature(path) if read_uri(path).endswith(IMMUTABLE) else None
+
+
+def check_unchanged(path: Path, seen: Optional[tuple]) -> None:
+    """ChangedWhileRead where a read without locks (`seen`: the file as it began) may have met a
+    run's writes: what it read may mix the file before and after them, or fail as if damaged."""
+    if seen is not None and _signature(path) != seen:
+        raise ChangedWhileRead(f"{path}: a run of the job wrote to the database while this command read it "
+                               "(this user cannot take SQLite's locks on it here): run the command again")
+
+
+def _damaged(path: Path, exc: BaseException, seen: Optional[tuple] = None) -> None:
     """A page that cannot be read, met by any query (status, export, report read what a run's
-    quick_check would have refused): the runner's StoreError, not SQLAlchemy's traceback."""
+    quick_check would have refused): the runner's StoreError, not SQLAlchemy's traceback; or, read
+    without locks while a run wrote, ChangedWhileRead (not damage)."""
     # sqlite3's own class for SQLITE_CORRUPT and SQLITE_NOTADB; its subclasses (locked, full disk,
     # constraints) are not damage and keep their own handling
     if type(exc) is sqlite3.DatabaseError:
+        check_unchanged(path, seen)
         if "file is not a database" in str(exc):  # no SQLite header: a job file given as --db, or a torn one
             raise StoreError(f"{path}: not a SQLite database ({exc}): name the job's results database, or "
                              "restore this one from a backup")
@@ -79,7 +106,7 @@ def read_uri(path: Path) -> str:
         raise StoreError(f"{path}: cannot be read as it is: its write-ahead log ({wal.name}) holds changes that "
                          f"SQLite reads through a {path.name}-shm file, which is not there; copy the database with "
                          "its -wal file to a folder you can write, or read it as the user who runs the job")
-    return ro + "&immutable=1"
+    return ro + IMMUTABLE
 
 
 def table_names(path: Path) -> Optional[set[str]]:
@@ -215,11 +242,27 @@ def nearest_existing(path: Path) -> Path:
     return folder
 
 
-def refuse_unwritable(path: Path) -> None:
-    """StoreError (exit 6) where a run could not make, write or open the database at path: said
-    alike by `validate` and before a command opens the engine log beside the database."""
+def refuse_unwritable(path: Path, job_name: Optional[str] = None) -> None:
+    """StoreError (exit 6) where a run could not make, write or open the database at path (said
+    alike by `validate` and before a command opens the engine log beside the database), or, given
+    the job's name, write its lock file or engine log there."""
     if (why := unwritable_reason(path)) is not None:
         raise StoreError(f"{path}: output.database: {why}")
+    if job_name is not None:
+        refuse_unwritable_beside(path, job_name)
+
+
+def refuse_unwritable_beside(path: Path, job_name: str) -> None:
+    """StoreError (exit 6) where something the job's lock file or engine log cannot be is in their
+    place beside the database at path (a folder, a read-only file)."""
+    from runner.console import log_path_for
+    from runner.lock import lock_path
+
+    for what, beside in (("lock file", lock_path(path, job_name)), ("engine log", log_path_for(path, job_name))):
+        # is_file follows a link: one to a writable file is fine
+        if (beside.exists() or beside.is_symlink()) and not (beside.is_file() and os.access(beside, os.W_OK)):
+            raise StoreError(f"{beside}: the job's {what} beside its results database cannot be written: "
+                             "not a writable file")
 
 
 def unwritable_reason(path: Path) -> Optional[str]:
@@ -234,7 +277,12 @@ def unwritable_reason(path: Path) -> Optional[str]:
         if head not in (b"", b"SQLite format 3\x00"):
             return "the file there is not a SQLite database"
         foreign = _foreign_tables(path)
-        return f"the file there is another program's SQLite database (tables: {', '.join(foreign[:5])})" if foreign else None
+        if foreign:
+            return f"the file there is another program's SQLite database (tables: {', '.join(foreign[:5])})"
+        if not os.access(path.parent, os.W_OK | os.X_OK):  # a run writes beside the file too
+            return (f"cannot be written: {path.parent} is not a folder this user can write in (a run keeps the "
+                    "database's write-ahead log, its lock and its engine log beside it)")
+        return None
     folder = nearest_existing(path)
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         return f"cannot be written: {folder} is not a folder this user can write in"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -272,3 +273,33 @@ def test_a_parquet_file_read_as_another_format_is_said_so_and_an_error_line_hold
     out = CliRunner().invoke(cli, ["validate", "--set", "input.format=csv", str(job)])
     assert out.exit_code == 3 and out.output.endswith(": a Parquet file, read as csv (input.format: csv)\n"), out.output
     assert one_line("row 12: \x00\x01PAR1\x1b[31m\tend \u00e9") == "row 12: \\x00\\x01PAR1\\x1b[31m end \u00e9"
+
+
+@pytest.mark.parametrize("blocked", ["engine log", "lock file"])
+def test_validate_refuses_a_log_or_lock_path_a_run_could_not_write(make_job, tmp_path, blocked):
+    """A folder where the job's engine log or lock file goes: the run would stop with exit 6, so
+    validate does, naming the path."""
+    job = make_job(rows=3)
+    db = tmp_path / "out" / "results.sqlite"
+    path = Path(f"{db}.t.{'log' if blocked == 'engine log' else 'lock'}")
+    path.mkdir(parents=True)
+    result = CliRunner().invoke(cli, ["validate", str(job)])
+    assert result.exit_code == 6 and len(result.output.splitlines()) == 1, result.output
+    assert result.output == (f"Error: {path}: the job's {blocked} beside its results database cannot be written: "
+                             "not a writable file\n")
+    run = CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)])
+    assert run.exit_code == 6 and run.output == result.output  # what validate foretold, as it said it
+
+
+def test_validate_refuses_a_writable_database_in_a_folder_this_user_cannot_write(make_job, tmp_path):
+    if os.getuid() == 0:
+        pytest.skip("root writes in any folder")
+    job = make_job(rows=3)
+    assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
+    out = tmp_path / "out"
+    out.chmod(0o500)
+    try:
+        result = CliRunner().invoke(cli, ["validate", str(job)])
+    finally:
+        out.chmod(0o700)
+    assert result.exit_code == 6 and f"{out} is not a folder this user can write in" in result.output, result.output

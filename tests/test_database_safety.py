@@ -401,3 +401,56 @@ def test_reading_another_users_database_leaves_nothing_beside_it(make_job, tmp_p
         assert other.stdout == run_here("stats", "--db", db).stdout
     finally:
         shutil.rmtree(shared)
+
+
+def _written_by_a_run_meanwhile(db: Path) -> None:
+    """What a run that starts during a read does to the file: commits, and folds its log in."""
+    con = sqlite3.connect(db)
+    con.execute("UPDATE runs SET error = 'a later run'")
+    con.commit()
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    con.close()
+
+
+def test_a_read_without_locks_that_a_run_wrote_under_says_so_not_damaged(make_job, tmp_path):
+    """A reading Store that cannot take SQLite's locks (another user's file, a read-only folder:
+    opened immutable) and finds the file changed since it opened reports ChangedWhileRead (exit 75,
+    try again), also where the read failed as if the file were damaged; unchanged, nothing."""
+    from runner.errors import ChangedWhileRead
+    from runner.store_sqlite import _damaged, unlocked_read
+
+    assert run_here("run", "--engine", "fake", "--quiet", make_job(rows=3)).exit_code == 0
+    db = tmp_path / "out" / "results.sqlite"
+    store = Store(db, read_only=True)  # as for_reading opens it where this user cannot write
+    store.check_unchanged()  # nothing wrote: no error
+    assert store.latest_runs("t")
+    seen = unlocked_read(db)
+    _written_by_a_run_meanwhile(db)
+    with pytest.raises(ChangedWhileRead, match="wrote to the database while this command read it") as exc:
+        store.check_unchanged()
+    assert exc.value.exit_code == 75
+    malformed = sqlite3.DatabaseError("database disk image is malformed")
+    with pytest.raises(ChangedWhileRead):
+        _damaged(db, malformed, seen)
+    with pytest.raises(StoreError, match="damaged"):  # the file as it is now: damage, as before
+        _damaged(db, malformed, unlocked_read(db))
+    store.close()
+    writable = Store.for_reading(db)  # this user may write: SQLite's locks keep the read whole
+    _written_by_a_run_meanwhile(db)
+    writable.check_unchanged()
+    writable.close()
+
+
+def test_an_export_whose_read_a_run_wrote_under_leaves_the_old_file(tmp_path):
+    from runner.errors import ChangedWhileRead
+    from runner.export import write_whole
+
+    out = tmp_path / "x.csv"
+    out.write_text("yesterday\n")
+
+    def changed():
+        raise ChangedWhileRead("changed")
+
+    with pytest.raises(ChangedWhileRead):
+        write_whole(out, lambda part: part.write_text("mixed\n"), check=changed)
+    assert out.read_text() == "yesterday\n" and sorted(p.name for p in tmp_path.iterdir()) == ["x.csv"]
