@@ -20,32 +20,41 @@ def status(job, overrides):
     The current version's rows are kept by the next run; rows made by another version (a changed
     schema, prompt, sampling or model) run again, and the parts that changed are listed. The last
     line counts what the next `runner run` has to do with the input as it is now (read and checked
-    as a run checks it; no engine starts).
+    as a run checks it; no engine starts). A job that no longer loads (its schema or prompts gone)
+    shows its stored rows, not compared with it, and why the next run is not counted.
 
     \b
     Example:
       runner status jobs/summarize.yaml
     """
     from runner.cli_results import _open_store  # here: under `python -m runner.cli`, cli_results is still loading
-    from runner.errors import NotFound
+    from runner.errors import NotFound, SpecError
     from runner.fingerprint import changed_parts, result_fingerprint
-    from runner.spec import load_job
+    from runner.spec import job_results, load_job
 
-    spec = load_job(job, overrides, check_engine=False)  # results only: no engine starts
+    try:
+        spec, unloaded = load_job(job, overrides, check_engine=False), None  # results only: no engine starts
+    except SpecError as exc:  # a retired job (its schema or prompts gone): what is stored still shows
+        spec, unloaded = None, str(exc)
+    name = spec.name if spec is not None else job_results(job, overrides)[1]
+    next_run = (lambda store: _next_run(spec, store)) if spec is not None else (
+        lambda store: f"next run: not counted: the job does not load: {unloaded}")
     try:
         store, _ = _open_store(job, None, overrides)
     except NotFound as exc:  # no file yet, or an empty one
-        say(f"job {spec.name}: no rows stored yet ({exc})")
-        say(_next_run(spec, None))
+        say(f"job {name}: no rows stored yet ({exc})")
+        say(next_run(None))
         return
-    current, components = result_fingerprint(spec)
-    known = store.fingerprint_components(spec.name)
-    *groups, history = store.rows_by_fingerprint(spec.name)
-    say(f"job {spec.name}: {plural(sum(g['rows'] for g in groups), 'row')} stored in {store.path}")
+    current, components = result_fingerprint(spec) if spec is not None else (None, None)
+    known = store.fingerprint_components(name)
+    *groups, history = store.rows_by_fingerprint(name)
+    say(f"job {name}: {plural(sum(g['rows'] for g in groups), 'row')} stored in {store.path}")
     rows = []
     for g in groups:
         fp = g["fingerprint"]
-        if fp == current:
+        if spec is None:
+            what = "not compared: the job does not load as it is now"
+        elif fp == current:
             what = "current"
         elif fp is None:
             what = "made before fingerprints (kept; --restart redoes them)"
@@ -57,7 +66,7 @@ def status(job, overrides):
     if rows:
         say(table(rows))
     say(f"earlier results kept in results_history: {history['history_rows']:,}")
-    say(_next_run(spec, store))
+    say(next_run(store))
     store.check_unchanged()
 
 

@@ -526,3 +526,20 @@ def test_rotating_a_log_that_is_gone_or_small_moves_nothing(tmp_path):
     linked = tmp_path / "linked.log"
     linked.symlink_to(elsewhere)
     assert rotate_if_large(linked, 10) is None and linked.is_symlink()  # the user's place: left alone
+
+
+def test_status_of_a_retired_job_shows_what_is_stored(make_job, tmp_path):
+    """A job whose schema is gone (retired) no longer loads, but its results do: status shows the
+    stored rows by version, not compared with the job, and says why the next run is not counted,
+    as stats, export and report still read them."""
+    job = make_job(rows=4)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    (tmp_path / "schemas" / "out.json").unlink()
+    out = invoke("status", job)
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0].startswith("job t: 4 rows stored in ") and "not compared: the job does not load" in out.output
+    assert lines[-1].startswith("next run: not counted: the job does not load: ") and "output_schema" in lines[-1]
+    broken = tmp_path / "broken.yaml"  # a job file that is not a job at all is still refused
+    broken.write_text("name: [\n")
+    assert invoke("status", str(broken)).exit_code == 2
