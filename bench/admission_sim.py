@@ -125,7 +125,7 @@ def step_seconds(shape: dict, eng: Vllm, done: list, prefill: int, ctx: int, jit
 def window_means(trace: list[tuple[int, int]], bounds: list[int], blocks: int) -> list[dict]:
     """Requests running and KV usage (share of the blocks) averaged over the steps between bounds,
     the last window to the end: where a run stays below its steady state (ramp, tail)."""
-    edges = [0, *[b for b in bounds if 0 < b < len(trace)], len(trace)]
+    edges = [0, *sorted({b for b in bounds if 0 < b < len(trace)}), len(trace)]
     out = []
     for lo, hi in zip(edges, edges[1:]):
         part = trace[lo:hi]

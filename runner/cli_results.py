@@ -118,19 +118,22 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
         store.check_unchanged()  # read without locks while a run wrote: not printed for monitoring
         say(text)
         return
+    shown = []  # printed once the read is known whole (check_unchanged)
     for r in runs:
         s = store.stats(r["id"]) or _killed_run_stats(r)
         status = r["status"] + (f" (its process {r['pid']} is gone: killed; the next run marks it interrupted)"
                                 if _process_gone(r) else "")
-        say(f"run {r['id']}  {r['job_name']}  {status}  started {r['started_at_utc']}")
+        shown.append(f"run {r['id']}  {r['job_name']}  {status}  started {r['started_at_utc']}")
         counts, gone = store.result_counts(r["id"])
-        say(stats_table(s, counts, [
+        shown.append(stats_table(s, counts, [
             ("rows run again", fmt(s.get("rows_redone"))),
             *([("rows no longer stored", f"{gone:,} (replaced, then deleted)")] if gone else []),
             ("engine", f"{r['engine_backend'] or '-'} {r['engine_version'] or ''} {r['engine_settings_json'] or ''}"),
             ("engine log", r.get("log_path") or "-"),
         ] + ([("error", r["error"])] if r["error"] else [])))
     store.check_unchanged()
+    for text in shown:
+        say(text)
 
 
 def _file_path(output: str) -> Path:

@@ -21,7 +21,7 @@ def status(job, overrides):
     schema, prompt, sampling or model) run again, and the parts that changed are listed. The last
     line counts what the next `runner run` has to do with the input as it is now (read and checked
     as a run checks it; no engine starts). A job that no longer loads (its schema or prompts gone)
-    shows its stored rows, not compared with it, and why the next run is not counted.
+    shows its stored rows, not compared with it, then why it does not load (exit 2).
 
     \b
     Example:
@@ -34,14 +34,16 @@ def status(job, overrides):
 
     try:
         spec, unloaded = load_job(job, overrides, check_engine=False), None  # results only: no engine starts
-    except SpecError as exc:  # a retired job (its schema or prompts gone): what is stored still shows
-        spec, unloaded = None, str(exc)
+    except SpecError as exc:  # a retired job (its schema or prompts gone): what is stored still shows,
+        spec, unloaded = None, exc  # then the error, whose exit code (2) monitoring reads
     name = spec.name if spec is not None else job_results(job, overrides)[1]
     next_run = (lambda store: _next_run(spec, store)) if spec is not None else (
-        lambda store: f"next run: not counted: the job does not load: {unloaded}")
+        lambda store: "next run: not counted: the job does not load (below)")
     try:
         store, _ = _open_store(job, None, overrides)
     except NotFound as exc:  # no file yet, or an empty one
+        if unloaded is not None:
+            raise unloaded from None
         say(f"job {name}: no rows stored yet ({exc})")
         say(next_run(None))
         return
@@ -68,6 +70,8 @@ def status(job, overrides):
     say(f"earlier results kept in results_history: {history['history_rows']:,}")
     say(next_run(store))
     store.check_unchanged()
+    if unloaded is not None:
+        raise unloaded from None
 
 
 @cli.command()
@@ -109,6 +113,7 @@ def prune(job, keep_versions, dry_run, wait, overrides):
         return
     if dry_run:
         count = store.prune_history(name, keep_versions, dry_run=True)
+        store.check_unchanged()
     else:
         from runner.lock import JobLock
 

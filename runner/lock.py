@@ -65,17 +65,20 @@ class JobLock:
 
 
 def held(database: Path, job_name: str) -> bool:
-    """Whether a process holds the job's lock now (a run, a calibration, a verification): a quick
-    look, for what must not be done under a running job (its engine log moved away)."""
+    """Whether a process may hold the job's lock now (a run, a calibration, a verification), for
+    what must not be done under a running job (its engine log moved away). Read from the pid the
+    holder writes into the lock file (emptied on release; a killed holder's pid names no process),
+    not by taking the lock: a run starting at that moment would find it taken and exit 75."""
     try:
-        fd = os.open(lock_path(database, job_name), os.O_RDWR)
-    except OSError:  # no lock file: nothing ever ran, or it cannot be opened: nothing to respect
+        text = lock_path(database, job_name).read_text(errors="replace").strip()
+    except OSError:  # no lock file: nothing ever ran
+        return False
+    if not text.isdigit():
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.kill(int(text), 0)
+    except ProcessLookupError:
         return False
-    except BlockingIOError:
+    except (PermissionError, OverflowError):  # another user's process (or a pid out of range: refused)
         return True
-    finally:
-        os.close(fd)
+    return True

@@ -24,8 +24,7 @@ from runner.rows import RESULT_COLUMNS, STATUSES, ResultRow, StatsRow
 from runner.store_history import HistoryRecords
 from runner.store_input import InputRecords
 from runner.store_speculation import SpeculationRecords
-from runner.store_sqlite import (DoneFilter, Transaction, check_unchanged, refuse_foreign, short_error, sqlite_engine,
-                                 unlocked_read)
+from runner.store_sqlite import DoneFilter, Transaction, check_unchanged, refuse_foreign, short_error, sqlite_engine
 
 _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
                    f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
@@ -44,9 +43,9 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
         self.path = Path(path)
         self.read_only = read_only
         refuse_foreign(self.path)  # before the first connection, which would switch it to WAL
+        self._seen: Optional[tuple] = None
         try:
-            self._seen = unlocked_read(self.path) if read_only else None
-            self.engine = sqlite_engine(self.path, read_only, self._seen)
+            self.engine, self._seen = sqlite_engine(self.path, read_only)
             if not read_only:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 # One IMMEDIATE transaction takes the write lock first: every migration lands or none
@@ -59,11 +58,14 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
             meta = MetaData()
             meta.reflect(bind=self.engine)
         except (SQLAlchemyError, OSError) as exc:
+            self.check_unchanged()  # a read without locks that a run wrote under: not a file that will not open
             raise StoreError(f"{self.path}: cannot open the results database: {short_error(exc)}") from None
         except StoreError as exc:  # named here unless the message names the file already
+            self.check_unchanged()
             raise StoreError(str(exc) if str(exc).startswith(f"{self.path}:") else f"{self.path}: {exc}") from None
         missing = [t for t in _TABLES if t not in meta.tables]
         if missing:  # every migration is recorded, yet a table is gone: dropped by hand, or damage
+            self.check_unchanged()
             raise StoreError(f"{self.path}: the results database is damaged (its table {missing[0]} is missing): "
                              "restore it from a backup or move it away")
         self.runs = meta.tables["runs"]

@@ -8,7 +8,7 @@ import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 from urllib.parse import quote
 
 from sqlalchemy import create_engine, event
@@ -20,13 +20,15 @@ BUSY_TIMEOUT_MS = 30_000
 IMMUTABLE = "&immutable=1"  # read_uri's read without SQLite's locks
 
 
-def sqlite_engine(path: Path, read_only: bool = False, seen: Optional[tuple] = None):
+def sqlite_engine(path: Path, read_only: bool = False) -> tuple[Any, Optional[tuple]]:
     """A SQLAlchemy engine on the file, every connection set up by _pragmas, every transaction
     begun by _begin (BEGIN, or what the connection's `sqlite_begin` option says). `read_only`: for
-    commands that only read, through read_uri (a read-only mount, a backup share); `seen`: the file
-    as unlocked_read found it, for a read without locks."""
+    commands that only read, through read_uri (a read-only mount, a backup share). With it, the
+    file's signature where that read takes no locks (for check_unchanged; else None)."""
+    seen = None
     if read_only:
         uri = read_uri(path)
+        seen = _signature(path) if uri.endswith(IMMUTABLE) else None  # decided once, with the URI
         engine = create_engine(f"sqlite:///{path}", creator=lambda: sqlite3.connect(
             uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000))
     else:
@@ -34,22 +36,16 @@ def sqlite_engine(path: Path, read_only: bool = False, seen: Optional[tuple] = N
     event.listen(engine, "connect", _read_pragmas if read_only else _pragmas)
     event.listen(engine, "begin", _begin)
     event.listen(engine, "handle_error", lambda ctx: _damaged(path, ctx.original_exception, seen))
-    return engine
+    return engine, seen
 
 
 def _signature(path: Path) -> tuple:
     """What a run's write to the file changes (a checkpoint folds its write-ahead log in)."""
     try:
-        st = path.stat()
-        return st.st_size, st.st_mtime_ns
+        st = path.stat()  # the inode and ctime too: coarse or cached times on shares
+        return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
     except OSError:
         return ()
-
-
-def unlocked_read(path: Path) -> Optional[tuple]:
-    """The file's signature where read_uri reads it without SQLite's locks (immutable: no -shm file
-    and this user cannot make one), for check_unchanged; None where the locks keep a read whole."""
-    return _signature(path) if read_uri(path).endswith(IMMUTABLE) else None
 
 
 def check_unchanged(path: Path, seen: Optional[tuple]) -> None:
@@ -66,8 +62,9 @@ def _damaged(path: Path, exc: BaseException, seen: Optional[tuple] = None) -> No
     without locks while a run wrote, ChangedWhileRead (not damage)."""
     # sqlite3's own class for SQLITE_CORRUPT and SQLITE_NOTADB; its subclasses (locked, full disk,
     # constraints) are not damage and keep their own handling
-    if type(exc) is sqlite3.DatabaseError:
+    if isinstance(exc, sqlite3.Error):  # a torn read fails in many ways ("no such table" too)
         check_unchanged(path, seen)
+    if type(exc) is sqlite3.DatabaseError:
         if "file is not a database" in str(exc):  # no SQLite header: a job file given as --db, or a torn one
             raise StoreError(f"{path}: not a SQLite database ({exc}): name the job's results database, or "
                              "restore this one from a backup")
@@ -259,8 +256,11 @@ def refuse_unwritable_beside(path: Path, job_name: str) -> None:
     from runner.lock import lock_path
 
     for what, beside in (("lock file", lock_path(path, job_name)), ("engine log", log_path_for(path, job_name))):
-        # is_file follows a link: one to a writable file is fine
-        if (beside.exists() or beside.is_symlink()) and not (beside.is_file() and os.access(beside, os.W_OK)):
+        # a link counts as its target: a writable file, or (not made yet) a writable folder's
+        target = Path(os.path.realpath(beside))
+        ok = (target.is_file() and os.access(target, os.W_OK)) if target.exists() else \
+            os.access(target.parent, os.W_OK | os.X_OK) if beside.is_symlink() else True
+        if not ok:
             raise StoreError(f"{beside}: the job's {what} beside its results database cannot be written: "
                              "not a writable file")
 

@@ -417,14 +417,14 @@ def test_a_read_without_locks_that_a_run_wrote_under_says_so_not_damaged(make_jo
     opened immutable) and finds the file changed since it opened reports ChangedWhileRead (exit 75,
     try again), also where the read failed as if the file were damaged; unchanged, nothing."""
     from runner.errors import ChangedWhileRead
-    from runner.store_sqlite import _damaged, unlocked_read
+    from runner.store_sqlite import _damaged, _signature
 
     assert run_here("run", "--engine", "fake", "--quiet", make_job(rows=3)).exit_code == 0
     db = tmp_path / "out" / "results.sqlite"
     store = Store(db, read_only=True)  # as for_reading opens it where this user cannot write
     store.check_unchanged()  # nothing wrote: no error
     assert store.latest_runs("t")
-    seen = unlocked_read(db)
+    seen = _signature(db)  # as the store found it at its opening
     _written_by_a_run_meanwhile(db)
     with pytest.raises(ChangedWhileRead, match="wrote to the database while this command read it") as exc:
         store.check_unchanged()
@@ -433,7 +433,7 @@ def test_a_read_without_locks_that_a_run_wrote_under_says_so_not_damaged(make_jo
     with pytest.raises(ChangedWhileRead):
         _damaged(db, malformed, seen)
     with pytest.raises(StoreError, match="damaged"):  # the file as it is now: damage, as before
-        _damaged(db, malformed, unlocked_read(db))
+        _damaged(db, malformed, _signature(db))
     store.close()
     writable = Store.for_reading(db)  # this user may write: SQLite's locks keep the read whole
     _written_by_a_run_meanwhile(db)
@@ -454,3 +454,28 @@ def test_an_export_whose_read_a_run_wrote_under_leaves_the_old_file(tmp_path):
     with pytest.raises(ChangedWhileRead):
         write_whole(out, lambda part: part.write_text("mixed\n"), check=changed)
     assert out.read_text() == "yesterday\n" and sorted(p.name for p in tmp_path.iterdir()) == ["x.csv"]
+
+
+@pytest.mark.parametrize("args", [["stats"], ["stats", "--json"], ["status"], ["report", "1", "-o", "r.html"],
+                                  ["export", "-o", "x.csv"], ["export", "--format", "jsonl"],
+                                  ["prune", "--keep-versions", "1", "--dry-run"]])
+def test_every_reading_command_checks_its_read_without_locks_was_whole(make_job, tmp_path, monkeypatch, args):
+    """Each reading command, on a database it reads without SQLite's locks, says that a run wrote
+    under it (exit 75) rather than printing or writing what it read; a file it would write is not."""
+    import itertools
+
+    import runner.store_sqlite as store_sqlite
+
+    job = make_job(rows=3)
+    assert run_here("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    monkeypatch.setattr(Store, "for_reading", classmethod(lambda cls, p: cls(p, read_only=True)))
+    ticks = itertools.count()
+    monkeypatch.setattr(store_sqlite, "_signature", lambda path: (next(ticks),))  # a write between any two looks
+    monkeypatch.chdir(tmp_path)
+    cmd = args[:1] + (["--job", str(job)] if args[0] in ("stats", "report", "export") else [str(job)]) + args[1:]
+    out = CliRunner().invoke(cli, cmd)
+    assert out.exit_code == 75, out.output
+    assert out.stderr.startswith("Error: ") and "wrote to the database while this command read it" in out.stderr
+    assert not (tmp_path / "r.html").exists() and not (tmp_path / "x.csv").exists()
+    if args[0] == "stats":
+        assert out.stdout == ""  # nothing printed of a read that may be mixed

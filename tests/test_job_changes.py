@@ -530,16 +530,33 @@ def test_rotating_a_log_that_is_gone_or_small_moves_nothing(tmp_path):
 
 def test_status_of_a_retired_job_shows_what_is_stored(make_job, tmp_path):
     """A job whose schema is gone (retired) no longer loads, but its results do: status shows the
-    stored rows by version, not compared with the job, and says why the next run is not counted,
-    as stats, export and report still read them."""
+    stored rows by version, not compared with the job, then why it does not load (exit 2: a job
+    that does not load, for monitoring), as stats, export and report still read them."""
     job = make_job(rows=4)
     assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
     (tmp_path / "schemas" / "out.json").unlink()
     out = invoke("status", job)
-    assert out.exit_code == 0, out.output
-    lines = out.output.splitlines()
-    assert lines[0].startswith("job t: 4 rows stored in ") and "not compared: the job does not load" in out.output
-    assert lines[-1].startswith("next run: not counted: the job does not load: ") and "output_schema" in lines[-1]
-    broken = tmp_path / "broken.yaml"  # a job file that is not a job at all is still refused
+    assert out.exit_code == 2, out.output
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("job t: 4 rows stored in ") and "not compared: the job does not load" in out.stdout
+    assert lines[-1] == "next run: not counted: the job does not load (below)"
+    assert out.stderr.startswith("Error: ") and "output_schema: file not found" in out.stderr
+    (tmp_path / "out" / "results.sqlite").unlink()  # nothing stored: the error alone, as before
+    out = invoke("status", job)
+    assert out.exit_code == 2 and out.stdout == "" and "output_schema: file not found" in out.stderr
+    broken = tmp_path / "broken.yaml"  # a job file that is not a job at all is refused as before
     broken.write_text("name: [\n")
     assert invoke("status", str(broken)).exit_code == 2
+
+
+def test_a_log_linked_to_a_file_not_made_yet_is_written(make_job, tmp_path):
+    """An engine log that is a link to a file not there yet (first setup, or moved away by
+    logrotate) is made where the link points: validate and run accept it."""
+    job = make_job(rows=2)
+    (tmp_path / "out").mkdir()
+    target = tmp_path / "var-log" / "job.log"
+    target.parent.mkdir()
+    (tmp_path / "out" / "results.sqlite.t.log").symlink_to(target)
+    assert invoke("validate", job).exit_code == 0
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    assert "runner run" in target.read_text()
