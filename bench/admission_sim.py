@@ -149,7 +149,7 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256,
     shape["noise"]: the sigma of a lognormal factor on every step's time (a fixed seed)."""
     eng = Vllm(shape["blocks"], shape["prefix"], max_num_seqs=max_num_seqs)
     jitter = random.Random(7)
-    steps = seconds = running_sum = mixed_steps = used_sum = finished = 0
+    steps = seconds = mixed_steps = finished = 0
     trace: list[tuple[int, int]] = []  # (requests running, blocks used) of each step
     side = None
     if policy in ("plain", "sorted"):
@@ -165,9 +165,8 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256,
                 raise RuntimeError(f"{policy}: nothing in flight and nothing sent after {steps} steps: admission stalled")
         done, prefill, ctx = eng.step()
         steps += 1
+        # as the step ran: its finished rows' blocks still held
         trace.append((len(eng.running) + len(done), eng.used() + sum(eng.private(r) for r in done)))
-        running_sum += trace[-1][0]
-        used_sum += trace[-1][1]  # as the step ran: before its finished rows left
         mixed_steps += prefill > 0
         seconds += step_seconds(shape, eng, done, prefill, ctx, jitter)
         if side is not None:
@@ -176,7 +175,8 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256,
     feed = side.feed if side is not None else None
     waves = feed.cadence.describe() if feed is not None else {}
     return {"policy": policy, "steps": steps, "sim_s": round(seconds, 2), "docs_per_s": round(len(reqs) / seconds, 1),
-            "avg_running": round(running_sum / steps, 1), "mean_kv_usage": round(used_sum / steps / eng.blocks, 3),
+            "avg_running": round(sum(r for r, _ in trace) / steps, 1),
+            "mean_kv_usage": round(sum(u for _, u in trace) / steps / eng.blocks, 3),
             "preemptions": eng.preemptions, "prefill_tokens": eng.prefill_tokens,
             "hit_rate": round(eng.hit_tokens / max(eng.query_tokens, 1), 3), "mixed_steps": mixed_steps,
             "kv_usage_correction_max_blocks": feed.budget.feedback.max_blocks if feed else None,

@@ -256,13 +256,18 @@ def refuse_unwritable_beside(path: Path, job_name: str) -> None:
     from runner.lock import lock_path
 
     for what, beside in (("lock file", lock_path(path, job_name)), ("engine log", log_path_for(path, job_name))):
-        # a link counts as its target: a writable file, or (not made yet) a writable folder's
-        target = Path(os.path.realpath(beside))
-        ok = (target.is_file() and os.access(target, os.W_OK)) if target.exists() else \
-            os.access(target.parent, os.W_OK | os.X_OK) if beside.is_symlink() else True
-        if not ok:
+        if not _writable_or_makeable(beside):
             raise StoreError(f"{beside}: the job's {what} beside its results database cannot be written: "
                              "not a writable file")
+
+
+def _writable_or_makeable(path: Path) -> bool:
+    """A writable file at path, or none yet (the database's own check covers its folder); a link
+    counts as its target, which may be made yet in a writable folder."""
+    target = Path(os.path.realpath(path))
+    if target.exists():
+        return target.is_file() and os.access(target, os.W_OK)
+    return not path.is_symlink() or os.access(target.parent, os.W_OK | os.X_OK)
 
 
 def unwritable_reason(path: Path) -> Optional[str]:
