@@ -9,7 +9,8 @@ reading and writing included):
   runner_first  `runner run --quiet` on a fresh database: calibration included
   ray1, ray2    the runner with `executor: ray`, 1 or 2 replicas of one GPU each
   ray1ip, ...   the same with each replica's vLLM engine core in the actor's process (ip) or in a
-                process of its own (mp: vLLM spawns it inside a Ray actor, importing vLLM again)
+                process of its own: forked (mp, the default), or spawned (sp: as vLLM does inside
+                a Ray actor, importing vLLM again)
   spec_off, no_warm, peaks_only, no_grouping, spec_kN, xgrammar, guidance   the runner with one
                 setting changed (xgrammar, guidance: a named structured_output_backend, not measure)
 

@@ -84,13 +84,14 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "ray1": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 1, "gpus_per_replica": 1}}),
         "ray2": ({"speculative": None}, {"executor": "ray", "ray": {"replicas": 2, "gpus_per_replica": 1}}),
     }
-    # rayNip / rayNmp: replicas whose vLLM engine core runs in the actor's process, or in a process
-    # of its own (which vLLM spawns inside a Ray actor: a second import of vLLM and torch).
+    # rayNip / rayNmp / rayNsp: replicas whose vLLM engine core runs in the actor's process, or in a
+    # process of its own, forked (the default), or spawned as vLLM would in a Ray actor (a second
+    # import of vLLM and torch).
     for n in (1, 2):
-        for suffix, inproc in (("ip", True), ("mp", False)):
+        for suffix, inproc, start in (("ip", True, "fork"), ("mp", False, "fork"), ("sp", False, "spawn")):
             engine, job = variants[f"ray{n}"]
-            variants[f"ray{n}{suffix}"] = (engine | {"in_process": inproc},
-                                           job | {"ray": job["ray"] | {"engine_in_process": inproc}})
+            ray = job["ray"] | {"engine_in_process": inproc, "engine_core_start": start}
+            variants[f"ray{n}{suffix}"] = (engine | {"in_process": inproc}, job | {"ray": ray})
     if name.startswith("vq"):  # vLLM's own admission and preemption, at most N requests queued: vq192
         return {"speculative": None, "kv_admission": False, "max_in_flight": int(name[2:])}, {}
     if name.startswith("spec_k"):

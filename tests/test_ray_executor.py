@@ -151,6 +151,85 @@ def test_ray_executor_results_equal_the_local_executor(make_job, tmp_path):
     assert rc == 0 and "0 run, 6 already done" in out, err[-2000:]
 
 
+def _vllm_system_utils(monkeypatch, in_actor: bool, cuda: bool = False):
+    """A stand-in for vllm.utils.system_utils (the names runner/engines/core_start.py reads)."""
+    import types
+
+    fake = types.ModuleType("vllm.utils.system_utils")
+    fake.is_in_ray_actor = lambda: in_actor
+    fake.cuda_is_initialized = lambda: cuda
+    utils = types.ModuleType("vllm.utils")
+    utils.system_utils = fake
+    for name, module in (("vllm", types.ModuleType("vllm")), ("vllm.utils", utils), ("vllm.utils.system_utils", fake)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return fake
+
+
+# seen: vLLM's check is told "not a Ray actor" while the core starts
+@pytest.mark.parametrize("asked, in_actor, cuda, tp, in_process, seen, expected", [
+    ("fork", True, False, 1, False, True, ("fork", "inherited")),
+    ("spawn", True, False, 1, False, False, ("spawn", "ray.engine_core_start")),
+    ("fork", True, True, 1, False, False, ("spawn", "CUDA is initialized")),
+    ("fork", True, False, 2, False, False, ("spawn", "tensor_parallel_size")),
+    ("fork", False, False, 1, False, False, (None, None)),  # a local engine: vLLM decides
+    ("fork", True, False, 1, True, False, (None, None)),  # no core process to start
+])
+def test_a_replica_forks_its_core_only_where_vllm_would_fork_a_local_one(
+        monkeypatch, asked, in_actor, cuda, tp, in_process, seen, expected):
+    from runner.engines.core_start import forked_core_in_ray_actor
+
+    fake = _vllm_system_utils(monkeypatch, in_actor, cuda)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", asked)
+    with forked_core_in_ray_actor(tp, in_process) as decided:
+        assert fake.is_in_ray_actor() == (in_actor and not seen)  # what vLLM's _maybe_force_spawn reads meanwhile
+    assert fake.is_in_ray_actor() == in_actor  # put back once the core has started
+    assert decided["method"] == expected[0]
+    assert expected[1] is None or expected[1] in decided["reason"]
+
+
+def test_a_fork_that_vllm_overrode_is_recorded_as_spawn(monkeypatch):
+    """vLLM's CPU build sets the method to spawn while it starts, whatever it was asked."""
+    from runner.engines.core_start import forked_core_in_ray_actor
+
+    _vllm_system_utils(monkeypatch, in_actor=True)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    with forked_core_in_ray_actor(1, False) as decided:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    assert decided["method"] == "spawn" and "vLLM set" in decided["reason"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_replica_forks_its_engine_core_unless_told_to_spawn(make_job, tmp_path, method):
+    """vLLM spawns its engine core in a Ray actor (importing vLLM and torch again); a replica asks it
+    to fork (ray.engine_core_start), records what vLLM did, and makes the local executor's results."""
+    job = make_job(rows=4, engine={"max_num_seqs": 1, "in_process": False},
+                   job={"ray": {"replicas": 1, "gpus_per_replica": 0, "cpus_per_replica": 1,
+                                "engine_core_start": method}})
+    rc, _, err = run_bounded(["run", "--quiet", "--executor", "local", job])
+    assert rc == 0, err[-2000:]
+    spec = yaml.safe_load(job.read_text())
+    ray_job = tmp_path / "ray.yaml"
+    ray_job.write_text(yaml.safe_dump(spec | {"name": "t-ray", "output": spec["output"] | {"database": "out/ray.sqlite"}}))
+    tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # short: vLLM's and Ray's socket paths must fit 107 bytes
+    try:
+        rc, out, err = run_bounded(["run", "--executor", "ray", ray_job], tmpdir=tmp)
+        assert rc == 0, err[-3000:]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    local = dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, extraction_json FROM results"))
+    con = sqlite3.connect(tmp_path / "out" / "ray.sqlite")
+    assert dict(con.execute("SELECT row_id, extraction_json FROM results")) == local and len(local) == 4
+    settings, choice = con.execute("SELECT r.engine_settings_json, s.engine_choice_json FROM runs r "
+                                   "JOIN run_stats s ON s.run_id = r.id").fetchone()
+    assert json.loads(settings)["engine_core"] == "SyncMPClient"  # a process of its own
+    core = json.loads(choice)["engines"][0]["replicas"][0]["start"]["engine_core_start"]
+    # vLLM's CPU build spawns its core whatever it is asked (its platform sets the method): asked
+    # to fork, the replica records that vLLM did not; asked to spawn, that the job said so
+    assert core["method"] == "spawn", core
+    assert ("vLLM set" if method == "fork" else "ray.engine_core_start") in core["reason"], core
+
+
 READ_BOTH = """
 import json, sys
 from runner.readers import LocalReader, RayDataReader

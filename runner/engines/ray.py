@@ -77,6 +77,8 @@ class EngineReplica:
             # process imports vLLM and torch again. Every engine gets a new actor (calibration's
             # too), so an actor's process holds one engine.
             job = job.model_copy(update={"engine": job.engine.model_copy(update={"in_process": True})})
+        else:  # read by runner/engines/core_start.py when vLLM starts the core
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = job.spec.ray.engine_core_start
         self.engine = factory(job)
 
     def info(self) -> EngineInfo:

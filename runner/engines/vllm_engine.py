@@ -17,6 +17,7 @@ from runner.engine_config import EngineConfig, SpeculativeSpec
 from runner.engines import grammar_masks
 from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
+from runner.engines.core_start import forked_core_in_ray_actor
 from runner.engines.feed import Admitted, Feed
 from runner.engines.vllm_settings import (core_in_this_process, engine_counters, gauge, graphs_of_mixed_steps,
                                           llm_kwargs, offline_environment, resolve_grammar, sampling_params)
@@ -59,7 +60,8 @@ class VllmEngine(Engine):
         sampling_params(sampling, sampling.max_tokens)  # refused settings stop here, before the model loads
         kw = llm_kwargs(cfg, model_path, sampling.seed)
         t1 = time.perf_counter()  # vLLM imported (the preload thread may have done most of it), settings built
-        self._start_llm(LLM, kw, model_path)
+        with forked_core_in_ray_actor(cfg.tensor_parallel_size, cfg.in_process) as core_start:
+            self._start_llm(LLM, kw, model_path)
         self._core = self.llm.llm_engine
         cache = self._core.vllm_config.cache_config
         self.kv_blocks, self.kv_block_tokens = cache.num_gpu_blocks, cache.block_size
@@ -80,7 +82,8 @@ class VllmEngine(Engine):
         self._last_check = float("-inf")  # the first step scans the metrics: a short run gets one sample too
         # Where the start went: waiting for vLLM's import, then LLM(...) (engine process, load, compile, graphs).
         self.start = {"import_wait_s": round(t1 - t0, 3), "llm_init_s": round(time.perf_counter() - t1, 3),
-                      "bytecode_cache": bytecode_state()}
+                      "bytecode_cache": bytecode_state()} | ({"engine_core_start": core_start}
+                                                             if core_start["method"] else {})
         # Where the driver's time goes (stored with the run's stats): waiting on the engine core in
         # step(), adding requests, and the caller's own work between polls.
         self.loop = {"steps": 0, "step_wait_s": 0.0, "add_request_s": 0.0, "between_polls_s": 0.0,
