@@ -58,9 +58,12 @@
 # The device keeps a machine only 30 s after a call: poll with back-to-back `wait 290` calls.
 # Staging takes ~1 min of device time, `install` ~1.5 min; a fresh machine's first vLLM start takes
 # ~3 min even eager, so a one-off check needs ~6 min of device time, not 3.
-# On nvidia-h200-x2 (two replicas, 8,192 documents; Ray needs EXTRA="ray[data]" in the wheelhouse):
-#   WARMUP="invoices/roomy/135m=ray1" bash bench/gpu.sh start --cases "" --deadline-s 1100 \
-#     --multi "invoices/roomy/135m=ray1,ray2"
+# On nvidia-h200-x2 (two replicas, 8,192 documents; Ray needs EXTRA="ray[data]" in the wheelhouse).
+# Last measured at 253e960 (bench/results/2026-12-04-nvidia-h200x2-135m-ray-fork.json; ~1,320 s of
+# device time: staging ~70 s, install with the model's conversion ~115 s, the warm-up and 3 rounds of
+# the three ~1,130 s, a round ~290 s):
+#   WARMUP="invoices/roomy/135m=ray1" BENCH_COMMIT=<commit> bash bench/gpu.sh start --cases "" --repeats 3 \
+#     --multi-repeats 3 --deadline-s 1000 --multi "invoices/roomy/135m=ray1,ray2,ray2sp"
 set -u
 BENCH="${BENCH:-bench/bench.py}"
 export PYTHONPATH=/tmp/site VLLM_CACHE_ROOT=/tmp/vllm-cache RUNNER_CACHE=/tmp/runner-cache PYTHONUNBUFFERED=1 \
