@@ -69,13 +69,14 @@ class RaySpec(Strict):
     engine_in_process: bool = Field(default=False, description=(
         "replicas run vLLM's engine core in the actor's own process. In a Ray actor vLLM starts the "
         "core with spawn, which imports vLLM and torch again (CPU: a replica started in 19 s instead "
-        "of 35-39 s); off by default: on an H200 it started 3 s sooner but generated at 0.7x, the core's "
-        "steps sharing the actor's interpreter with its feeding and collecting"))
+        "of 35-39 s); off by default: on an H200 it started 3 s sooner than spawned but generated at "
+        "0.7x, the core's steps sharing the actor's interpreter with its feeding and collecting"))
     engine_core_start: Literal["fork", "spawn"] = Field(default="fork", description=(
         "how a replica starts vLLM's engine-core process (engine_in_process off). vLLM would spawn "
         "it in a Ray actor, importing vLLM and torch again; fork inherits the actor's imports, and "
-        "is used only where vLLM would fork a local engine's core (one GPU, CUDA not started): on "
-        "2x H200 a run started 9-11 s sooner. vLLM's CPU build spawns whatever it is asked"))
+        "is used only where vLLM would fork a local engine's core and no worker may go through Ray "
+        "(one GPU, CUDA not started): on 2x H200 a run started 9-11 s sooner. "
+        "VLLM_WORKER_MULTIPROC_METHOD in ray.env wins; vLLM's CPU build spawns whatever it is asked"))
 
 
 class JobFile(Strict):

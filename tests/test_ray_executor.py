@@ -165,22 +165,33 @@ def _vllm_system_utils(monkeypatch, in_actor: bool, cuda: bool = False):
     return fake
 
 
+def _engine_cfg(tp: int = 1, in_process: bool = False, **extra):
+    """The EngineConfig fields runner/engines/core_start.py reads."""
+    import types
+
+    return types.SimpleNamespace(tensor_parallel_size=tp, in_process=in_process, extra_args=extra)
+
+
 # seen: vLLM's check is told "not a Ray actor" while the core starts
-@pytest.mark.parametrize("asked, in_actor, cuda, tp, in_process, seen, expected", [
-    ("fork", True, False, 1, False, True, ("fork", "inherited")),
-    ("spawn", True, False, 1, False, False, ("spawn", "ray.engine_core_start")),
-    ("fork", True, True, 1, False, False, ("spawn", "CUDA is initialized")),
-    ("fork", True, False, 2, False, False, ("spawn", "tensor_parallel_size")),
-    ("fork", False, False, 1, False, False, (None, None)),  # a local engine: vLLM decides
-    ("fork", True, False, 1, True, False, (None, None)),  # no core process to start
+@pytest.mark.parametrize("asked, in_actor, cuda, cfg, seen, expected", [
+    ("fork", True, False, _engine_cfg(), True, ("fork", "inherited")),
+    ("spawn", True, False, _engine_cfg(), False, ("spawn", "ray.engine_core_start")),
+    ("fork", True, True, _engine_cfg(), False, ("spawn", "CUDA is initialized")),
+    ("fork", True, False, _engine_cfg(tp=2), False, ("spawn", "tensor_parallel_size")),
+    # workers that may go through Ray: a forked child would inherit the actor's Ray connection
+    ("fork", True, False, _engine_cfg(pipeline_parallel_size=2), False, ("spawn", "pipeline_parallel_size")),
+    ("fork", True, False, _engine_cfg(distributed_executor_backend="ray"), False, ("spawn", "distributed_executor_backend")),
+    ("fork", True, False, _engine_cfg(distributed_executor_backend="uni"), True, ("fork", "inherited")),
+    ("fork", False, False, _engine_cfg(), False, (None, None)),  # a local engine: vLLM decides
+    ("fork", True, False, _engine_cfg(in_process=True), False, (None, None)),  # no core process to start
 ])
-def test_a_replica_forks_its_core_only_where_vllm_would_fork_a_local_one(
-        monkeypatch, asked, in_actor, cuda, tp, in_process, seen, expected):
+def test_a_replica_forks_its_core_only_where_vllm_would_fork_a_local_one(monkeypatch, asked, in_actor, cuda, cfg,
+                                                                         seen, expected):
     from runner.engines.core_start import forked_core_in_ray_actor
 
     fake = _vllm_system_utils(monkeypatch, in_actor, cuda)
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", asked)
-    with forked_core_in_ray_actor(tp, in_process) as decided:
+    with forked_core_in_ray_actor(cfg) as decided:
         assert fake.is_in_ray_actor() == (in_actor and not seen)  # what vLLM's _maybe_force_spawn reads meanwhile
     assert fake.is_in_ray_actor() == in_actor  # put back once the core has started
     assert decided["method"] == expected[0]
@@ -193,9 +204,52 @@ def test_a_fork_that_vllm_overrode_is_recorded_as_spawn(monkeypatch):
 
     _vllm_system_utils(monkeypatch, in_actor=True)
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-    with forked_core_in_ray_actor(1, False) as decided:
+    with forked_core_in_ray_actor(_engine_cfg()) as decided:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     assert decided["method"] == "spawn" and "vLLM set" in decided["reason"]
+
+
+def test_vllms_check_is_put_back_when_its_start_fails(monkeypatch):
+    from runner.engines.core_start import forked_core_in_ray_actor
+
+    fake = _vllm_system_utils(monkeypatch, in_actor=True)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    with pytest.raises(RuntimeError, match="no memory"):
+        with forked_core_in_ray_actor(_engine_cfg()):
+            assert not fake.is_in_ray_actor()
+            raise RuntimeError("no memory")
+    assert fake.is_in_ray_actor()  # a later start in this process is spawned as vLLM would
+
+
+@pytest.mark.parametrize("ray, own_process, expected", [
+    ({}, True, "fork"),
+    ({"engine_core_start": "spawn"}, True, "spawn"),
+    ({"env": {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}}, True, "spawn"),  # the job's ray.env wins
+    ({"engine_in_process": True}, True, None),  # no core process: nothing to ask
+    ({}, False, None),  # a replica in the caller's process (LocalCluster) leaves its environment alone
+])
+def test_a_replica_asks_vllm_for_the_jobs_method_in_its_own_process(make_job, monkeypatch, ray, own_process, expected):
+    from runner.engines.ray import EngineReplica
+
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)  # put back after the test
+    job = load_job(make_job(rows=2, job={"ray": {"replicas": 1} | ray}))
+    seen = []
+    EngineReplica(lambda j: seen.append(os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")) or FakeEngine(SCHEMA), job,
+                  own_process)
+    assert seen == [expected]
+
+
+@pytest.mark.vllm
+def test_vllm_forces_spawn_where_the_replica_expects_it():
+    """core_start.py replaces vllm.utils.system_utils.is_in_ray_actor, which _maybe_force_spawn
+    must look up in that module's globals at call time; a vLLM that moved it would spawn every core
+    again, silently (vLLM 0.26's source reads the same)."""
+    from vllm.utils import system_utils
+
+    force = system_utils._maybe_force_spawn
+    assert force.__globals__ is vars(system_utils)
+    assert "is_in_ray_actor" in force.__code__.co_names
+    assert "_maybe_force_spawn" in system_utils.get_mp_context.__code__.co_names
 
 
 @pytest.mark.vllm

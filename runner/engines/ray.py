@@ -17,6 +17,7 @@ import time
 from typing import Any, Callable, Optional
 
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
+from runner.engines.core_start import METHOD_ENV, engine_core_method
 from runner.errors import EngineError
 from runner.scratch import remove_scratch
 from runner.signals import handlers_kept
@@ -71,14 +72,15 @@ def _init_ray(ray, job) -> None:
 class EngineReplica:
     """One engine, fed through calls of `step` (a Ray actor in RayCluster)."""
 
-    def __init__(self, factory: Callable[[Any], Engine], job):
+    def __init__(self, factory: Callable[[Any], Engine], job, own_process: bool = False):
+        """own_process: this is the replica's own process (a Ray actor), whose environment it sets."""
         if job.spec.ray.engine_in_process:
             # In a Ray actor vLLM spawns its engine-core process (fork is unsafe there), and that
             # process imports vLLM and torch again. Every engine gets a new actor (calibration's
             # too), so an actor's process holds one engine.
             job = job.model_copy(update={"engine": job.engine.model_copy(update={"in_process": True})})
-        else:  # read by runner/engines/core_start.py when vLLM starts the core
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = job.spec.ray.engine_core_start
+        elif own_process:  # read by runner/engines/core_start.py when vLLM starts the core
+            os.environ[METHOD_ENV] = engine_core_method(job.spec.ray)
         self.engine = factory(job)
 
     def info(self) -> EngineInfo:
@@ -142,7 +144,7 @@ class RayCluster:
     def start(self, factory: Callable, job, n: int) -> list:
         actor = self.ray.remote(EngineReplica).options(num_gpus=self.cfg.gpus_per_replica,
                                                        num_cpus=self.cfg.cpus_per_replica)
-        return [actor.remote(factory, job) for _ in range(n)]
+        return [actor.remote(factory, job, True) for _ in range(n)]
 
     def call(self, replica, method: str, *args):
         return getattr(replica, method).remote(*args)

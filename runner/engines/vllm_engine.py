@@ -60,8 +60,10 @@ class VllmEngine(Engine):
         sampling_params(sampling, sampling.max_tokens)  # refused settings stop here, before the model loads
         kw = llm_kwargs(cfg, model_path, sampling.seed)
         t1 = time.perf_counter()  # vLLM imported (the preload thread may have done most of it), settings built
-        with forked_core_in_ray_actor(cfg.tensor_parallel_size, cfg.in_process) as core_start:
+        with forked_core_in_ray_actor(cfg) as core_start:
             self._start_llm(LLM, kw, model_path)
+        if core_in_this_process(self.llm):  # vLLM ran its core here after all: nothing was started
+            core_start = {"method": None}
         self._core = self.llm.llm_engine
         cache = self._core.vllm_config.cache_config
         self.kv_blocks, self.kv_block_tokens = cache.num_gpu_blocks, cache.block_size
