@@ -182,18 +182,13 @@ def _run_json(store, r: dict) -> dict:
 def _process_gone(r: dict):
     """For a run still marked running: whether its process has ended without finishing it (killed;
     the next run of the job marks it interrupted). None for a run that ended, or ran on another host."""
-    import os
     import socket
+
+    from runner.lock import process_alive
 
     if r["status"] != "running" or not r.get("pid") or r.get("host") != socket.gethostname():
         return None
-    try:
-        os.kill(r["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
+    return not process_alive(r["pid"])
 
 
 @cli.command()

@@ -73,10 +73,13 @@ def held(database: Path, job_name: str) -> bool:
         text = lock_path(database, job_name).read_text(errors="replace").strip()
     except OSError:  # no lock file: nothing ever ran
         return False
-    if not text.isdigit():
-        return False
+    return text.isdigit() and process_alive(int(text))
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (another user's counts)."""
     try:
-        os.kill(int(text), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, OverflowError):  # another user's process (or a pid out of range: refused)

@@ -36,21 +36,19 @@ def forked_core_in_ray_actor(cfg) -> Iterator[dict]:
     decided: dict = {"method": None}
     system_utils = None if cfg.in_process else _vllm_system_utils()
     in_actor = getattr(system_utils, "is_in_ray_actor", None)
-    if in_actor is None or not in_actor():
-        yield decided
-        return
-    why = _why_not_fork(system_utils, cfg)
-    decided.update(method="spawn" if why else "fork", reason=why or "the actor's imports are inherited")
-    if why:
-        yield decided
-        return
-    system_utils.is_in_ray_actor = lambda: False  # read by _maybe_force_spawn only (vLLM 0.26 and 0.32)
+    if in_actor is not None and in_actor():
+        why = _why_not_fork(system_utils, cfg)
+        decided.update(method="spawn" if why else "fork", reason=why or "the actor's imports are inherited")
+    forking = decided["method"] == "fork"
+    if forking:
+        system_utils.is_in_ray_actor = lambda: False  # read by _maybe_force_spawn only (vLLM 0.26 and 0.32)
     try:
         yield decided
     finally:
-        system_utils.is_in_ray_actor = in_actor
-        if os.environ.get(METHOD_ENV) != "fork":  # vLLM's platform (the CPU build) or config chose spawn
-            decided.update(method="spawn", reason=f"vLLM set {METHOD_ENV} to {os.environ.get(METHOD_ENV)!r}")
+        if forking:
+            system_utils.is_in_ray_actor = in_actor
+            if os.environ.get(METHOD_ENV) != "fork":  # vLLM's platform (the CPU build) or config chose spawn
+                decided.update(method="spawn", reason=f"vLLM set {METHOD_ENV} to {os.environ.get(METHOD_ENV)!r}")
 
 
 def _vllm_system_utils():
