@@ -23,7 +23,7 @@ def validate(job, overrides):
     from runner.models import is_model_dir, missing_model
     from runner.readers import LocalReader
     from runner.spec import load_job
-    from runner.store_sqlite import refuse_unwritable
+    from runner.store_sqlite import check_database, refuse_unwritable
 
     spec = load_job(job, overrides)
     reader = LocalReader(spec.input_path, spec.spec.input)
@@ -33,6 +33,7 @@ def validate(job, overrides):
     if not ready and spec.spec.executor == "local":  # `runner run` would stop there: so does this
         raise ModelError(missing_model(spec.model_path))
     refuse_unwritable(spec.database_path, spec.name)
+    check_database(spec.database_path)
     say(f"OK: {job}")
     say(table([
         ("input", f"{scan.rows:,} rows in {len(scan.files)} file(s)"

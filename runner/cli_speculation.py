@@ -54,7 +54,7 @@ def calibrate(job, overrides, wait, verbose, engine):
 
 @cli.command()
 @click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--rows", type=int, default=None, help="Rows to compare (default: verify.rows, 64).")
+@click.option("--rows", type=click.IntRange(min=1), default=None, help="Rows to compare (default: engine.verify.rows, 64).")
 @click.option("--wait", is_flag=True, help="If the job is running, wait for it instead of exiting.")
 @click.option("--verbose", "-v", is_flag=True, help="vLLM's and torch's output to stderr instead of the job's log file.")
 @click.option("--baseline", is_flag=True,
@@ -69,7 +69,7 @@ def verify(job, rows, wait, verbose, baseline, engine, overrides):
     Runs the first rows of the job greedy, without drafts and with the job's speculative setting
     (with `speculative: auto`, each candidate), and compares the extractions: the share of rows
     that came out the same, the agreement per field, and the rows that differ. Runs do not use a
-    setting that agreed on fewer rows than verify.min_agreement (0.99), unless run --no-verify,
+    setting that agreed on fewer rows than engine.verify.min_agreement (0.99), unless run --no-verify,
     until a later verify passes over as many rows with the failure's settings or the run's own
     (scheduling and sampling included).
 
@@ -95,7 +95,7 @@ def verify(job, rows, wait, verbose, baseline, engine, overrides):
         say(f"without drafts, twice: {results[0].baseline_agreement:.1%} of rows unchanged (the engine's own variation)")
     for v in results:
         verdict = "passes" if passes(v.agreement, limit, Baseline.of(v)) else \
-            f"FAILS verify.min_agreement {limit:.0%}: runs will not use it"
+            f"FAILS engine.verify.min_agreement {limit:.0%}: runs will not use it"
         if v.baseline_agreement is not None and v.agreement < limit:
             verdict += (f" (rows only the drafts changed: {v.rows_changed_by_drafts_only}, only the engine: "
                         f"{v.rows_changed_by_engine_only}; a sign test tells them apart, more --rows sharpen it)")
@@ -109,10 +109,10 @@ def verify(job, rows, wait, verbose, baseline, engine, overrides):
 @cli.command()
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder to write the draft model to.")
-@click.option("--layers", default=4, show_default=True, help="Layers of the job's model the draft keeps.")
-@click.option("--epochs", default=2, show_default=True, help="Passes over the training rows.")
-@click.option("--holdout", default=0.2, show_default=True, help="Share of rows held back to measure acceptance.")
-@click.option("--max-rows", type=int, default=None, help="Train on at most this many ok rows.")
+@click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True, help="Layers of the job's model the draft keeps.")
+@click.option("--epochs", type=click.IntRange(min=1), default=2, show_default=True, help="Passes over the training rows.")
+@click.option("--holdout", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.2, show_default=True, help="Share of rows held back to measure acceptance.")
+@click.option("--max-rows", type=click.IntRange(min=1), default=None, help="Train on at most this many ok rows.")
 @click.option("--wait", is_flag=True, help="If the job is running, wait for it instead of exiting.")
 @reports_errors
 def distill(job, out, layers, epochs, holdout, max_rows, wait):

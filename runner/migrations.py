@@ -263,6 +263,7 @@ def migrate(conn: Connection) -> list[str]:
         # Made by a runner before 0.2, whose migrations committed one by one, and killed midway.
         raise StoreError("tables exist but no migration was recorded: the file was left half-made by an "
                          "interrupted first run of an older runner; move it away and run again")
+    refuse_newer(done)
     applied = []
     for fn in MIGRATIONS:
         if fn.__name__ in done:
@@ -272,6 +273,17 @@ def migrate(conn: Connection) -> list[str]:
                      {"n": fn.__name__, "t": utc_now()})
         applied.append(fn.__name__)
     return applied
+
+
+def refuse_newer(done: set[str]) -> None:
+    """StoreError where the database records a migration this runner does not know: a newer runner
+    made or upgraded it, and writing to it with this one could store rows its readers misread."""
+    unknown = sorted(done - {fn.__name__ for fn in MIGRATIONS})
+    if unknown:
+        from runner import __version__
+
+        raise StoreError(f"made by a newer runner (its migration {unknown[-1]} is unknown to runner {__version__}): "
+                         "upgrade the runner to use this database")
 
 
 def pending_migrations(path: Path) -> list[str]:
@@ -285,4 +297,5 @@ def pending_migrations(path: Path) -> list[str]:
             con.close()
     except sqlite3.Error:
         return []
+    refuse_newer(done)
     return [fn.__name__ for fn in MIGRATIONS if fn.__name__ not in done]

@@ -42,8 +42,9 @@ def _value(text: str) -> Any:
 
 
 def _is_flow_mapping(text: str, value: dict) -> bool:
-    """`{a: 1}` is a mapping; `{title}: {text}` and `{text}` (templates) are text that YAML happens
-    to parse (the second as {"text": null}: a key without a value, which no setting is)."""
+    """`{a: 1}` is a mapping; `{title}: {text}`, `{text}` and `{text:>20}` (templates) are text that
+    YAML happens to parse (the last two as {"text": null} and {"text:>20": null}: keys without
+    values, which no setting is)."""
     if not (text.startswith("{") and text.endswith("}") and text.count("{") == 1):
         return False
-    return not (value and all(v is None for v in value.values()) and ":" not in text)
+    return not (value and all(v is None for v in value.values()))

@@ -49,12 +49,16 @@ def file_format(file: str, declared: Optional[str]) -> str:
 
 def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     """The files a job's input path names: a file, a folder (its files of the format, or of any
-    known format), or a glob."""
+    known format), or a glob. Below a folder or a glob's fixed part, names that begin with `_` or
+    `.` are left out, as pyarrow, Spark and Hive leave them (_SUCCESS, _temporary/, .part-0.crc);
+    linked folders are followed."""
     endings = _endings(declared) if declared else tuple(e for fmt in EXTENSIONS for e in _endings(fmt))
     if any(ch in path for ch in "*?["):
-        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+        root = _fixed_part(path)
+        files = sorted(f for f in glob.glob(path, recursive=True)
+                       if os.path.isfile(f) and not _hidden(os.path.relpath(f, root)))
     elif os.path.isdir(path):
-        files = sorted(str(p) for p in Path(path).rglob("*") if p.is_file() and p.name.lower().endswith(endings))
+        files = sorted(f for f in _walk(path) if os.path.basename(f).lower().endswith(endings))
     elif os.path.isfile(path):
         files = [path]
     else:
@@ -62,6 +66,35 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     if not files:
         raise InputError(f"{path}: no input files match (Parquet, JSON Lines, CSV: {', '.join(sorted(set(endings)))})")
     return files
+
+
+def _hidden(relative: str) -> bool:
+    """A path below the input's folder with a part that begins with `_` or `.`."""
+    return any(part.startswith(("_", ".")) and part not in (".", "..") for part in Path(relative).parts)
+
+
+def _fixed_part(pattern: str) -> str:
+    """The folder a glob's pattern starts from: its parts before the first with a wildcard."""
+    parts = Path(pattern).parts
+    fixed = next((i for i, part in enumerate(parts) if any(ch in part for ch in "*?[")), len(parts))
+    return str(Path(*parts[:fixed])) if fixed else "."
+
+
+def _walk(folder: str) -> Iterator[str]:
+    """The files below folder, through linked folders (each real folder once: a link back up
+    would loop), without hidden names (_hidden)."""
+    seen = set()
+    for top, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")))
+        for name in names:
+            f = os.path.join(top, name)
+            if not name.startswith(("_", ".")) and os.path.isfile(f):
+                yield f
 
 
 def _is_parquet(file: str) -> bool:

@@ -194,7 +194,7 @@ def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[J
     base = "" if v["baseline_agreement"] is None else \
         f", more than the engine changes on its own ({v['baseline_agreement']:.1%} without drafts, twice)"
     why = (f"running without speculative decoding: runner verify found {spec.method} drafts left "
-           f"{v['agreement']:.1%} of greedy outputs unchanged{base} (verify.min_agreement {limit:.0%}; "
+           f"{v['agreement']:.1%} of greedy outputs unchanged{base} (engine.verify.min_agreement {limit:.0%}; "
            "--no-verify keeps them)")
     if opts.notify is not None:
         opts.notify(why)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from runner.engine_config import Strict
 
@@ -40,6 +40,11 @@ class SamplingSpec(Strict):
             raise ValueError(f"{taken[0]}: {where}, not in extra_args")
         return v
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v  # vLLM takes one string as well as a list
+
     @field_validator("stop")
     @classmethod
     def _no_empty_stop(cls, v: list[str]) -> list[str]:
@@ -53,6 +58,15 @@ class SamplingSpec(Strict):
         if v != 1:
             raise ValueError("one extraction is stored per row, so n must be 1")
         return v
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "SamplingSpec":
+        """vLLM refuses min_tokens over max_tokens when the engine starts: said by validate instead."""
+        for name in ("max_tokens", "retry_max_tokens"):
+            most = getattr(self, name)
+            if self.min_tokens is not None and most is not None and self.min_tokens > most:
+                raise ValueError(f"min_tokens ({self.min_tokens}) is more than {name} ({most})")
+        return self
 
     def vllm_kwargs(self) -> dict[str, Any]:
         """SamplingParams keyword arguments beyond temperature, top_p, max_tokens and seed."""

@@ -46,6 +46,27 @@ def _load_schema(path: Path, where: str) -> dict[str, Any]:
     return schema
 
 
+def check_examples(examples: list, schema: dict[str, Any], where: str) -> None:
+    """Each few-shot assistant turn must be an extraction that fits the schema: one that does not
+    teaches the model answers the grammar then forbids (the rows it shapes fail or get cut)."""
+    import jsonschema
+
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    for i, turn in enumerate(examples):
+        if turn.role != "assistant":
+            continue
+        field = f"{where}: prompts.examples[{i}].content"
+        try:
+            value = json.loads(turn.content)
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"{field}: not JSON ({exc.msg}): an assistant turn is an extraction "
+                            "the output schema allows") from None
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+        if error is not None:
+            loc = "/".join(str(p) for p in error.absolute_path)
+            raise SpecError(f"{field}: does not fit the output schema{f' at {loc}' if loc else ''}: {error.message}")
+
+
 _REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
 
 

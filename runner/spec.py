@@ -17,7 +17,7 @@ from runner.errors import InputError, ModelError, SpecError
 from runner.overrides import apply_overrides
 from runner.prompt_spec import PromptSpec, load_prompts
 from runner.sampling_spec import SamplingSpec
-from runner.schema_file import load_schema
+from runner.schema_file import check_examples, load_schema
 from runner.spec_files import format_validation_error, read_yaml
 
 
@@ -226,6 +226,7 @@ def _load(shown: Path, raw: dict[str, Any], check_engine: bool = True) -> Job:
 
     schema_path = _resolve(base, spec.output_schema)
     schema = load_schema(schema_path, str(shown))
+    check_examples(spec.prompts.examples, schema, str(shown))
 
     overrides = spec.engine.model_dump(exclude_unset=True)
     cfg_path = _resolve(base, overrides.pop("config"))

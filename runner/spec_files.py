@@ -28,6 +28,8 @@ def format_validation_error(file: Path, exc: ValidationError, prefix: str = "") 
         # a required key left missing first (it is why that key is missing), then any key of the section
         close = (difflib.get_close_matches(str(first["loc"][-1]), missing, n=1)
                  or difflib.get_close_matches(str(first["loc"][-1]), _keys_at(exc.title, first["loc"][:-1]), n=1))
+        if not close and len(first["loc"]) == 1 and str(first["loc"][0]) in _keys_at(exc.title, ("engine",)):
+            close = [f"engine.{first['loc'][0]}"]  # an engine setting at the job's top level (verify: ...)
         msg = "unknown key" + (f"; did you mean {close[0]}?" if close else "")
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{file}: {loc}: {msg}{more}"

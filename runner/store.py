@@ -24,7 +24,8 @@ from runner.rows import RESULT_COLUMNS, STATUSES, ResultRow, StatsRow
 from runner.store_history import HistoryRecords
 from runner.store_input import InputRecords
 from runner.store_speculation import SpeculationRecords
-from runner.store_sqlite import DoneFilter, Transaction, check_unchanged, refuse_foreign, short_error, sqlite_engine
+from runner.store_sqlite import (DoneFilter, Transaction, check_unchanged, refuse_damaged, refuse_foreign, short_error,
+                                 sqlite_engine)
 
 _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
                    f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
@@ -87,7 +88,10 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
         path = Path(path)
         if os.access(path.parent, os.W_OK) and os.access(path, os.W_OK):
             return cls(path)
-        pending = pending_migrations(path)
+        try:
+            pending = pending_migrations(path)
+        except StoreError as exc:
+            raise StoreError(f"{path}: {exc}") from None
         if pending:
             raise StoreError(f"{path}: made by an older runner, it needs its migration {pending[0]} to be read, "
                              "and this user cannot write it here: copy it to a folder you can write, or run any "
@@ -105,10 +109,7 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
     def check_integrity(self) -> None:
         """PRAGMA quick_check: refuse a damaged file (a broken unique index would store rows twice)."""
         with self.engine.connect() as conn:
-            problems = [r[0] for r in conn.exec_driver_sql("PRAGMA quick_check")]
-        if problems != ["ok"]:
-            raise StoreError(f"{self.path}: the results database is damaged ({problems[0]}; {len(problems)} "
-                             f"problem(s) found by PRAGMA quick_check): restore it from a backup or move it away")
+            refuse_damaged(self.path, [r[0] for r in conn.exec_driver_sql("PRAGMA quick_check")])
 
     # -- runs -------------------------------------------------------------------------------
     def begin_run(self, job_name: str, job_path: str, config: dict, log_path: Optional[str] = None) -> int:

@@ -292,3 +292,31 @@ def unwritable_reason(path: Path) -> Optional[str]:
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         return f"cannot be written: {folder} is not a folder this user can write in"
     return None
+
+
+def refuse_damaged(path: Path, problems: list[str]) -> None:
+    """StoreError for what PRAGMA quick_check found (["ok"]: nothing)."""
+    if problems != ["ok"]:
+        raise StoreError(f"{path}: the results database is damaged ({problems[0]}; {len(problems)} "
+                         f"problem(s) found by PRAGMA quick_check): restore it from a backup or move it away")
+
+
+def check_database(path: Path) -> None:
+    """`validate`'s look at an existing database, reading only: a newer runner's file, or a damaged
+    one, stops here as it would stop `runner run` (an older runner's is upgraded by the run)."""
+    from runner.migrations import pending_migrations
+
+    if not (path.is_file() and path.stat().st_size):
+        return
+    try:
+        pending_migrations(path)
+        con = sqlite3.connect(read_uri(path), uri=True)
+        try:
+            problems = [r[0] for r in con.execute("PRAGMA quick_check")]
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as exc:
+        problems = [str(exc)]
+    except StoreError as exc:
+        raise StoreError(f"{path}: {exc}") from None
+    refuse_damaged(path, problems)

@@ -439,7 +439,7 @@ def test_a_stored_choice_of_drafts_that_verification_failed_since_is_measured_ag
     assert cal["remeasured_because"].startswith("runner verify found calibration #1's ngram drafts left 80.0%")
     assert summary.speculation(json.dumps({"speculative_calibration": cal})).endswith(
         "stored as calibration #2; measured again: runner verify found calibration #1's ngram drafts left "
-        "80.0% of greedy outputs unchanged (verify.min_agreement 99%))")
+        "80.0% of greedy outputs unchanged (engine.verify.min_agreement 99%))")
     started.clear()  # "none passed" is stored: one engine, no slice, until a candidate passes
     factory.in_process.clear()
     run_job(job, engine_factory=factory, restart=True, clock=lambda: clock.now)

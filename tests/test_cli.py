@@ -33,6 +33,11 @@ def test_every_command_has_help_with_an_example(invoke, command):
     (["stats", "--last", "x"], "Invalid value for '--last': 'x' is not a valid integer range. (see: runner stats --help)"),
     (["run"], "Missing argument 'JOB'. (see: runner run --help)"),
     (["nope"], "No such command 'nope'. (see: runner --help)"),
+    (["distill", "job.yaml", "--out", "d", "--layers", "-5"], "Invalid value for '--layers': -5 is not in the range x>=1."),
+    (["distill", "job.yaml", "--out", "d", "--epochs", "0"], "Invalid value for '--epochs': 0 is not in the range x>=1."),
+    (["distill", "job.yaml", "--out", "d", "--holdout", "7"], "Invalid value for '--holdout': 7.0 is not in the range 0<x<1."),
+    (["distill", "job.yaml", "--out", "d", "--max-rows", "-3"], "Invalid value for '--max-rows': -3 is not in the range x>=1."),
+    (["verify", "job.yaml", "--rows", "0"], "Invalid value for '--rows': 0 is not in the range x>=1."),
 ])
 def test_a_usage_error_is_one_error_line(args, message):
     """click printed its usage, a hint and the error on 3-4 lines; every other error is one line."""

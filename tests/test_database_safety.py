@@ -359,6 +359,37 @@ def test_stats_status_and_export_read_a_database_on_a_read_only_mount(make_job, 
                          "read it as the user who runs the job\n")
 
 
+def test_validate_refuses_a_damaged_database_as_run_does(make_job, tmp_path):
+    """`runner validate JOB && runner run JOB` stops at validate wherever run would stop first."""
+    job = make_job(rows=300)
+    assert run_here("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    db = tmp_path / "out" / "results.sqlite"
+    with open(db, "r+b") as f:
+        f.truncate(db.stat().st_size // 2)
+    for args in (("validate", job), ("run", "--engine", "fake", "--quiet", job)):
+        r = run_here(*args)
+        assert r.exit_code == 6 and r.output.startswith(f"Error: {db}: the results database is damaged ("), (args, r.output)
+
+
+def test_a_newer_runners_database_is_refused_by_every_command_and_left_as_it_was(make_job, tmp_path):
+    """A migration this runner does not know: a newer runner's file, which this one could misread
+    or write rows into that the newer one misreads."""
+    job = make_job(rows=2)
+    assert run_here("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    db = tmp_path / "out" / "results.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("INSERT INTO _migrations VALUES ('m999_from_the_future', '2030-01-01')")
+    con.commit()
+    con.close()
+    before = db.read_bytes()
+    for args in (("run", "--engine", "fake", "--restart", job), ("stats", "--db", db), ("validate", job)):
+        r = run_here(*args)
+        assert r.exit_code == 6, (args, r.output)
+        assert f"{db}: made by a newer runner (its migration m999_from_the_future is unknown to runner " in r.output
+    assert db.read_bytes() == before
+    assert sqlite3.connect(db).execute("SELECT count(*) FROM results").fetchone()[0] == 2
+
+
 @pytest.mark.skipif(not _can_mount_read_only(), reason="needs unshare -rm (user and mount namespaces)")
 def test_an_older_runners_database_on_a_read_only_mount_names_the_migration_it_lacks(make_job, tmp_path):
     job = make_job(rows=2)

@@ -49,6 +49,33 @@ def test_folder_and_glob_inputs(tmp_path):
     assert scan_input(str(tmp_path / "in"), SPEC).rows == 4
 
 
+def test_a_spark_output_folder_is_read_without_its_hidden_and_underscore_entries(tmp_path):
+    """Spark and Hive leave _SUCCESS, _temporary/ (a failed attempt's copies) and .crc files beside
+    the parts; pyarrow leaves them out, and so does the runner: read, they were duplicate ids."""
+    out = tmp_path / "out"
+    write_docs(out / "part-00000.parquet", 3)
+    write_docs(out / "_temporary" / "0" / "part-00000.parquet", 3)
+    write_docs(out / ".part-00000.parquet", 3)
+    write_docs(out / "_extra.parquet", 3)
+    (out / "_SUCCESS").write_text("")
+    assert input_files(str(out)) == [str(out / "part-00000.parquet")]
+    assert input_files(str(out / "**" / "*.parquet")) == [str(out / "part-00000.parquet")]
+    assert scan_input(str(out), SPEC).rows == 3
+    # the input's own folder, or a file named outright, may be named anything
+    assert input_files(str(out / "_temporary")) == [str(out / "_temporary" / "0" / "part-00000.parquet")]
+    assert input_files(str(out / "_extra.parquet")) == [str(out / "_extra.parquet")]
+
+
+def test_a_linked_folder_below_the_input_is_read_once_and_a_link_loop_ends(tmp_path):
+    write_docs(tmp_path / "real" / "r.parquet", 2)
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"id": ["z1"], "text": ["t"], "system_prompt": ["s"]}), tmp_path / "in" / "a.parquet")
+    (tmp_path / "in" / "sub").symlink_to(tmp_path / "real")
+    (tmp_path / "real" / "back").symlink_to(tmp_path / "in")  # a loop: in/sub/back/sub/...
+    assert [p.split("/in/", 1)[1] for p in input_files(str(tmp_path / "in"))] == ["a.parquet", "sub/r.parquet"]
+    assert scan_input(str(tmp_path / "in"), SPEC).rows == 3
+
+
 def test_integer_ids_become_text(tmp_path):
     f = tmp_path / "i.parquet"
     pq.write_table(pa.table({"id": [5, 6], "text": ["a", "b"], "system_prompt": ["s", "s"]}), f)

@@ -75,11 +75,23 @@ def test_real_sample_job_is_valid():
     (lambda s: s["engine"].update(speculative={"method": "draft_model", "foo": 1}),  # another method: replaced
      "job.yaml: engine.speculative.num_speculative_tokens: Field required"),
     (lambda s: s["engine"].update(MaxNumSeqs=8), "job.yaml: engine.MaxNumSeqs: unknown key"),  # a user's key stays
+    # an engine setting at the job's top level: where it belongs
+    (lambda s: s.update(verify={"rows": 8}), "job.yaml: verify: unknown key; did you mean engine.verify?"),
     (lambda s: s["sampling"].update(stop=["}", ""]), "job.yaml: sampling.stop: Value error, an empty string would stop"),
+    (lambda s: s["sampling"].update(min_tokens=500, max_tokens=160),
+     "job.yaml: sampling: Value error, min_tokens (500) is more than max_tokens (160)"),
+    (lambda s: s["sampling"].update(min_tokens=20, max_tokens=160, retry_max_tokens=10),
+     "job.yaml: sampling: Value error, min_tokens (20) is more than retry_max_tokens (10)"),
     (lambda s: s.update(prompts={"user_template": "{text"}), "job.yaml: prompts.user_template: "),
     (lambda s: s.update(prompts={"user_template": "{text.upper}"}), "job.yaml: prompts.user_template: {text.upper}: "),
     (lambda s: s.update(prompts={"user_template": "{title}: {text}"}), "job.yaml: prompts.user_template: unknown field {title}"),
     (lambda s: s.update(prompts={"system": "x"}), "job.yaml: prompts: a system prompt is set and input.system_prompt_column too"),
+    # a few-shot answer the schema forbids teaches the model what the grammar then cuts off
+    (lambda s: s.update(prompts={"examples": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "not json"}]}),
+     "job.yaml: prompts.examples[1].content: not JSON (Expecting value): an assistant turn is an extraction"),
+    (lambda s: s.update(prompts={"examples": [{"role": "user", "content": "a"},
+                                              {"role": "assistant", "content": '{"summary": "x", "sentiment": "bad"}'}]}),
+     "job.yaml: prompts.examples[1].content: does not fit the output schema at sentiment: 'bad' is not one of"),
 ])
 def test_bad_job_names_file_and_field(make_job, mutate, expected):
     path = make_job()
@@ -90,6 +102,13 @@ def test_bad_job_names_file_and_field(make_job, mutate, expected):
         load_job(path)
     assert expected in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_one_stop_string_is_a_list_of_one_as_vllm_takes_it(make_job):
+    path = make_job()
+    assert load_job(path, ["sampling.stop=END"]).spec.sampling.stop == ["END"]
+    assert load_job(path, ["sampling.stop=[END, STOP]"]).spec.sampling.stop == ["END", "STOP"]
+    assert load_job(path, ["sampling.min_tokens=160", "sampling.max_tokens=160"]).spec.sampling.min_tokens == 160
 
 
 def test_a_job_overrides_an_engine_section_key_by_key(make_job):

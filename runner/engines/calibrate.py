@@ -209,7 +209,7 @@ def _candidates(job: Job, ctx: CalibrationContext, gate: bool = True) -> tuple[l
         v = _failed_verification(job, ctx, setting_key(c.base)) if gate else None
         if v is not None:
             excluded.append(f"{c.name} (verified: {v['agreement']:.1%} of greedy outputs unchanged, "
-                            f"verify.min_agreement {verify.min_agreement:.0%})")
+                            f"engine.verify.min_agreement {verify.min_agreement:.0%})")
             continue
         out.append(c)
     return out, excluded
@@ -253,7 +253,7 @@ def _verified_out(job: Job, ctx: CalibrationContext, cached: Optional[dict]) -> 
     if v is None:
         return None
     return (f"runner verify found calibration #{cached['id']}'s {speculative.get('method')} drafts left "
-            f"{v['agreement']:.1%} of greedy outputs unchanged (verify.min_agreement "
+            f"{v['agreement']:.1%} of greedy outputs unchanged (engine.verify.min_agreement "
             f"{job.engine.verify.min_agreement:.0%})")
 
 
