@@ -58,6 +58,8 @@ def main() -> None:
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "preemptions": metrics.get("vllm:num_preemptions", 0),
+        # engine steps (one observation of the tokens each step ran): beside the runner's loop.steps
+        "engine_steps": metrics.get("vllm:iteration_tokens_total:count"),
         "kv_total_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
     }), flush=True)
 
@@ -110,11 +112,14 @@ def _validator(schema: dict):
 
 
 def _metrics(llm) -> dict:
+    """Counters and gauges by name (summed over engines); a histogram's count as NAME:count."""
     out: dict = {}
     for m in llm.get_metrics():
         v = getattr(m, "value", None)
         if isinstance(v, (int, float)):
             out[m.name] = out.get(m.name, 0) + v
+        elif isinstance(getattr(m, "count", None), int):
+            out[f"{m.name}:count"] = out.get(f"{m.name}:count", 0) + m.count
     return out
 
 

@@ -24,6 +24,7 @@ def validate(job, overrides):
     from runner.readers import LocalReader
     from runner.spec import load_job
     from runner.store_sqlite import check_database, refuse_unwritable
+    from runner.summary import plural
 
     spec = load_job(job, overrides)
     reader = LocalReader(spec.input_path, spec.spec.input)
@@ -36,7 +37,7 @@ def validate(job, overrides):
     check_database(spec.database_path)
     say(f"OK: {job}")
     say(table([
-        ("input", f"{scan.rows:,} rows in {len(scan.files)} file(s)"
+        ("input", f"{plural(scan.rows, 'row')} in {plural(len(scan.files), 'file')}"
                   + (f"; {len(scan.skip):,} left out (null or repeated ids)" if scan.skip else "")),
         ("schema", str(spec.schema_path)),
         ("engine config", str(spec.engine_config_path)),
@@ -54,6 +55,7 @@ def _check_prompt(spec, reader, scan) -> None:
     doc = next(iter(reader.documents(spec.system_source, scan.skip)), None)
     if doc is None or doc.problem:
         return
+    doc = builder.capped(doc, spec.engine.max_model_len)  # a huge first row: no gigabytes to tokenize it
     try:
         user = builder.user_text(doc)
     except (KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:

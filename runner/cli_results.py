@@ -136,6 +136,9 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
         say(text)
 
 
+DATA_SUFFIXES = (".parquet", ".csv", ".jsonl", ".json", ".ndjson")
+
+
 def _file_path(output: str) -> Path:
     """-o's file. A name ending in a slash means a folder: Path() would drop the slash and write a
     file of the folder's name."""
@@ -208,6 +211,11 @@ def report(run_id, job, db, overrides, output):
     """
     from runner.report import render_report
 
+    if output != "-" and Path(output).suffix.lower() in DATA_SUFFIXES:  # meant `runner export`
+        from runner.errors import OutputFileError
+
+        raise OutputFileError(f"{output}: a report is HTML: name the file .html (runner export writes results "
+                              "as Parquet, CSV or JSON Lines)")
     store, job_name = _open_store(job, db, overrides)
     _run_of(store, run_id, job_name)
     html = render_report(store, run_id)

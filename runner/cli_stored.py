@@ -30,6 +30,7 @@ def status(job, overrides):
     from runner.cli_results import _open_store  # here: under `python -m runner.cli`, cli_results is still loading
     from runner.errors import NotFound, SpecError
     from runner.fingerprint import changed_parts, result_fingerprint
+    from runner.lock import holder
     from runner.spec import job_results, load_job
 
     try:
@@ -51,6 +52,9 @@ def status(job, overrides):
     known = store.fingerprint_components(name)
     *groups, history = store.rows_by_fingerprint(name)
     say(f"job {name}: {plural(sum(g['rows'] for g in groups), 'row')} stored in {store.path}")
+    pid = holder(store.path, name)
+    if pid is not None:  # the counts below move while it stores rows
+        say(f"running now: pid {pid} holds the job's lock (a run, calibration or verification)")
     rows = []
     for g in groups:
         fp = g["fingerprint"]

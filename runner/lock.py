@@ -9,8 +9,10 @@ import fcntl
 import os
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 from runner.errors import LockedError, StoreError
+from runner.signals import Interrupted
 
 
 def lock_path(database: Path, job_name: str) -> Path:
@@ -19,9 +21,12 @@ def lock_path(database: Path, job_name: str) -> Path:
 
 
 class JobLock:
-    def __init__(self, database: Path, job_name: str, wait: bool = False, poll_s: float = 0.5):
+    def __init__(self, database: Path, job_name: str, wait: bool = False, poll_s: float = 0.5,
+                 on_wait: Optional[Callable[[str], None]] = None):
+        """on_wait: told once, with wait, that the job is running and this one waits for it."""
         self.path = lock_path(database, job_name)
         self.wait = wait
+        self.on_wait = on_wait
         self.poll_s = poll_s
         self._fd: int | None = None
 
@@ -46,13 +51,18 @@ class JobLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+                by = f"pid {holder}" if holder else "by another process"
                 if not self.wait:
-                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-                    raise LockedError(
-                        f"{self.path}: job is already running ({f'pid {holder}' if holder else 'by another process'}); "
-                        "use --wait to wait for it"
-                    ) from None
-                time.sleep(self.poll_s)
+                    raise LockedError(f"{self.path}: job is already running ({by}); use --wait to wait for it") from None
+                if self.on_wait is not None:
+                    self.on_wait(f"the job is already running ({by}): waiting for it to finish")
+                    self.on_wait = None
+                try:
+                    time.sleep(self.poll_s)
+                except Interrupted as exc:  # not "finished rows are stored": none were, by this process
+                    raise Interrupted(f"{str(exc).split(';')[0]} while it waited for the job's lock "
+                                      "(nothing done)") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
 
@@ -69,11 +79,16 @@ def held(database: Path, job_name: str) -> bool:
     what must not be done under a running job (its engine log moved away). Read from the pid the
     holder writes into the lock file (emptied on release; a killed holder's pid names no process),
     not by taking the lock: a run starting at that moment would find it taken and exit 75."""
+    return holder(database, job_name) is not None
+
+
+def holder(database: Path, job_name: str) -> Optional[int]:
+    """The pid of the process that may hold the job's lock now (see held), or None."""
     try:
         text = lock_path(database, job_name).read_text(errors="replace").strip()
     except OSError:  # no lock file: nothing ever ran
-        return False
-    return text.isdigit() and process_alive(int(text))
+        return None
+    return int(text) if text.isdigit() and process_alive(int(text)) else None
 
 
 def process_alive(pid: int) -> bool:

@@ -222,6 +222,8 @@ def _count(docs: list[Document], builder: PromptBuilder | CharEstimate, groups: 
             continue
         texts = []
         for d in rows:
+            if summary.prompt_room is not None:  # a huge row: too long either way, counted as such
+                d = builder.capped(d, max(summary.prompt_room, 1))
             try:
                 texts.append(builder.user_text(d))
             except (KeyError, ValueError, TypeError, IndexError, AttributeError):

@@ -7,7 +7,7 @@ in milliseconds (transformers would cost seconds on every `runner plan`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Optional, Sequence
@@ -65,6 +65,33 @@ class PromptBuilder:
     def compile_template(self) -> None:
         """Compile the chat template now (TemplateError), not at the first row."""
         self._template
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary's longest entry, added tokens
+        included; a byte-level entry's characters are bytes, at least the text's characters)."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    def capped(self, doc: Document, max_model_len: int) -> Document:
+        """The document, its text cut to the most characters a prompt of max_model_len tokens can
+        hold (4x: a normalizer may merge characters): a longer text is too long whatever it says,
+        and tokenizing all of it cost gigabytes (a 10.8 MB row: 2.97 GB and 22 s, to store it failed)."""
+        most = (max_model_len + 1) * self.max_token_chars * 4
+        return doc if len(doc.text) <= most else replace(doc, text=doc.text[:most])
+
+    def check_the_document_reaches_the_model(self, where: str) -> None:
+        """TemplateError where two different user texts render the same prompt: a chat template that
+        drops the user's turn would send every row the same prompt (and store its answer for each).
+        A template that refuses these probes is left to the rows (some refuse what others take)."""
+        from runner.errors import TemplateError
+
+        try:
+            a, b = (self.render("s", text) for text in ("first document", "second document"))
+        except TemplateError:
+            return
+        if a == b:
+            raise TemplateError(f"{where}: the rendered prompt leaves out the user's turn (the document): every "
+                                "row would get the same prompt")
 
     def user_text(self, doc: Document) -> str:
         return render_user(self.user_template, doc)
@@ -199,4 +226,6 @@ def builder_for(job) -> PromptBuilder:
     builder = PromptBuilder(job.model_path, p.user_template, examples=[e.model_dump() for e in p.examples],
                             chat_template=job.chat_template, chat_template_kwargs=p.chat_template_kwargs)
     builder.compile_template()  # a template that cannot compile is the job's error, not every row's
+    builder.check_the_document_reaches_the_model(f"{job.path}: prompts.chat_template ({p.chat_template})"
+                                                 if p.chat_template else f"the chat template of {job.model_path}")
     return builder

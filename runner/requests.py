@@ -61,6 +61,8 @@ class RequestBuilder:
         b = self.builder
         out: list[Request | Completion | Document] = []
         texts: list[tuple[int, str]] = []
+        whole = {d.row_id: len(d.text) for d in docs if d.text is not None}
+        docs = [d if d.problem else b.capped(d, self.max_model_len) for d in docs]
         for d in docs:
             if d.problem:
                 out.append(Completion(d.row_id, error=d.problem))
@@ -76,12 +78,16 @@ class RequestBuilder:
         except (ModelError, TemplateError) as exc:  # the chat template refused this system prompt
             return [Completion(d.row_id, error=str(exc)) if isinstance(o, Document) else o for d, o in zip(docs, out)]
         for (i, _), ids in zip(texts, all_ids):
-            out[i] = self._request(group, docs[i], ids)
+            out[i] = self._request(group, docs[i], ids, whole.get(docs[i].row_id, 0))
         return out
 
-    def _request(self, group: Group, doc: Document, ids: list[int]) -> Request | Completion:
+    def _request(self, group: Group, doc: Document, ids: list[int], chars: int) -> Request | Completion:
+        """chars: the document's length before capped() cut it (a cut count is then at least)."""
         b = self.builder
         ids, too_long, cut = b.fit(group.system_prompt, doc, ids, self.max_model_len, self.max_tokens, self.truncate)
+        if too_long and chars > len(doc.text):
+            too_long = (f"the document is {chars:,} characters, more than max_model_len={self.max_model_len} tokens "
+                        "can hold (set input.on_too_long: truncate to cut it)")
         if too_long:
             return Completion(doc.row_id, prompt_tokens=len(ids), error=too_long)
         g = self.groups.setdefault(group.key, GroupSummary(group.key, ""))

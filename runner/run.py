@@ -108,7 +108,7 @@ def _run(job: Job, engine_factory: Callable[[Job], Engine], opts: RunOptions) ->
     try:
         builder = builder_for(job)
         t_lock = opts.clock()
-        with JobLock(job.database_path, job.name, wait=opts.wait):
+        with JobLock(job.database_path, job.name, wait=opts.wait, on_wait=opts.notify):
             opts = replace(opts, lock_wait_s=opts.clock() - t_lock)
             store = Store(job.database_path)
             try:

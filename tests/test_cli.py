@@ -54,7 +54,7 @@ def test_runner_alone_shows_its_help(invoke):
 def test_validate_reports_rows_and_model(invoke, make_job):
     out = invoke("validate", make_job(rows=7))
     assert out.exit_code == 0, out.output
-    assert "7 rows in 1 file(s)" in out.output and "[ready]" in out.output
+    assert "7 rows in 1 file\n" in out.output and "[ready]" in out.output
 
 
 def test_plan_prints_groups_and_prefix_bound(invoke, make_job, tmp_path, monkeypatch):

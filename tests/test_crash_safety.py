@@ -142,13 +142,15 @@ def test_wait_waits_for_the_running_job(make_job, tmp_path, fake_env):
     job = make_job(rows=20)
     db = tmp_path / "out" / "results.sqlite"
     first = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", job),
-                             env=dict(fake_env, RUNNER_FAKE_DELAY_S="0.03"))
+                             env=dict(fake_env, RUNNER_FAKE_DELAY_S="0.2"))  # 4 s: past the second's start
     wait_for(lambda: count(db) >= 2 or first.poll() is not None, "the first run's rows")
     second = subprocess.run(runner_cmd("run", "--wait", "--engine", "fake", job), env=fake_env,
                             capture_output=True, text=True, timeout=120)
     assert first.wait() == 0
     assert second.returncode == 0, second.stderr
     assert "0 run, 20 already done" in second.stdout  # it started only after the first had finished
+    # said once, not silence while it waits (--quiet says nothing)
+    assert second.stderr.count(f"Note: the job is already running (pid {first.pid}): waiting for it to finish\n") == 1
     assert len(stored(db)) == 20
 
 
@@ -226,7 +228,8 @@ def test_sigterm_before_the_run_starts_exits_130_and_records_nothing(make_job, t
         _, err = second.communicate(timeout=60)
         assert second.returncode == 130, err
         errors = [ln for ln in err.splitlines() if ln.startswith("Error:")]
-        assert errors == [err.strip().splitlines()[-1]] and errors[0].startswith("Error: stopped by signal SIGTERM")
+        assert errors == [err.strip().splitlines()[-1]]
+        assert errors[0] == "Error: stopped by signal SIGTERM while it waited for the job's lock (nothing done)"
         assert first.poll() is None  # the holder runs on
         con = sqlite3.connect(db)
         assert con.execute("SELECT count(*) FROM runs").fetchone() == (1,)

@@ -131,6 +131,17 @@ def test_export_and_report_refuse_to_write_over_the_database_they_read(db, tmp_p
     assert db.read_bytes() == before
 
 
+def test_a_report_named_as_results_data_is_refused(db, tmp_path):
+    """`report -o x.parquet` meant `export`: HTML under a data file's name is refused, nothing written."""
+    for name in ("x.parquet", "x.CSV", "x.jsonl"):
+        out = CliRunner().invoke(cli, ["report", "1", "--db", str(db), "-o", str(tmp_path / name)])
+        assert out.exit_code == 6 and out.output == (
+            f"Error: {tmp_path / name}: a report is HTML: name the file .html (runner export writes results as "
+            "Parquet, CSV or JSON Lines)\n"), out.output
+        assert not (tmp_path / name).exists()
+    assert CliRunner().invoke(cli, ["report", "1", "--db", str(db), "-o", str(tmp_path / "r.htm")]).exit_code == 0
+
+
 def test_an_export_through_a_link_replaces_its_target_and_keeps_the_link(db, tmp_path):
     (tmp_path / "shared").mkdir()
     real = tmp_path / "shared" / "latest.csv"

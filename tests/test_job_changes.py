@@ -250,6 +250,20 @@ def test_status_counts_what_the_next_run_has_to_do_as_the_run_does(make_job, tmp
     assert out.output.splitlines()[-1].startswith("next run: not counted: ") and "docs.parquet" in out.output
 
 
+def test_status_says_when_the_job_is_running_now(make_job, tmp_path):
+    """Its counts move while a run stores rows: said, with the pid that holds the lock."""
+    import os
+
+    job = make_job(rows=3)
+    assert invoke("run", "--engine", "fake", "--quiet", "--limit", "1", job).exit_code == 0
+    assert "running now" not in invoke("status", job).output
+    with JobLock(tmp_path / "out" / "results.sqlite", "t"):
+        out = invoke("status", job)
+    assert out.exit_code == 0
+    assert out.output.splitlines()[1] == f"running now: pid {os.getpid()} holds the job's lock (a run, calibration or verification)"
+    assert "running now" not in invoke("status", job).output
+
+
 def test_status_of_an_input_whose_every_row_is_left_out_says_so(make_job, tmp_path):
     docs = tmp_path / "data" / "bad.parquet"
     docs.parent.mkdir(parents=True, exist_ok=True)
@@ -446,7 +460,8 @@ def test_sigterm_stops_a_command_that_is_not_a_run_with_one_line_and_130(make_jo
         time.sleep(0.5)  # waiting for the lock
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err == "Error: stopped by signal SIGTERM\n", (proc.returncode, err)
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err == "Error: stopped by signal SIGTERM while it waited for the job's lock (nothing done)\n"
 
 
 def _catches(pid: int, sig) -> bool:

@@ -94,6 +94,21 @@ def test_a_jobs_chat_template_and_its_variables_shape_every_prompt(make_job, tmp
     assert "running 12 stored rows again" in out.output and "prompts.chat_template_sha256" in out.output, out.output
 
 
+def test_a_chat_template_that_leaves_out_the_document_is_refused_before_any_row_runs(make_job, tmp_path):
+    """Every row would get the same prompt, and its one answer would be stored for each."""
+    (tmp_path / "static.jinja").write_text("<|im_start|>system\nSummarize.<|im_end|>\n<|im_start|>assistant\n")
+    job = make_job(job={"prompts": {"chat_template": "static.jinja"}})
+    for command in (("validate",), ("run", "--engine", "fake", "--quiet")):
+        result = invoke(*command, job)
+        assert result.exit_code == 2 and result.output == (
+            f"Error: {job}: prompts.chat_template (static.jinja): the rendered prompt leaves out the user's turn "
+            "(the document): every row would get the same prompt\n"), result.output
+    assert not (tmp_path / "out" / "results.sqlite").exists()
+    # one that keeps the user's turn but not the system prompt still runs: each row differs
+    (tmp_path / "static.jinja").write_text("{% for m in messages if m['role'] == 'user' %}{{ m['content'] }}{% endfor %}")
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+
+
 @pytest.mark.parametrize("sampling, expected", [
     ({"repetition_penalty": 0}, "sampling.repetition_penalty: Input should be greater than 0"),
     ({"presence_penalty": 3}, "sampling.presence_penalty: Input should be less than or equal to 2"),

@@ -177,6 +177,45 @@ def test_no_retry_where_the_prompt_leaves_no_more_room_and_nothing_else_changes(
     assert retry_tokens(cut, 2, 64, plain, room=900) is None  # one retry only
 
 
+def test_a_document_longer_than_any_prompt_is_cut_before_it_is_tokenized(make_job, tmp_path, monkeypatch):
+    """A huge row (a log file, a whole book) is too long whatever it says: tokenizing all of it took
+    gigabytes to store it failed. Only the characters a prompt could hold are tokenized."""
+    import pyarrow as pa
+
+    from runner.prompting import PromptBuilder
+    from tests.conftest import write_docs
+
+    docs = write_docs(tmp_path / "data" / "huge.parquet", 3)
+    t = pq.read_table(docs).to_pydict()
+    t["text"][1] = "word " * 400_000  # 2,000,000 characters
+    pq.write_table(pa.table(t), docs)
+    longest = []
+    encode, encode_batch = PromptBuilder.encode, PromptBuilder.encode_batch
+    monkeypatch.setattr(PromptBuilder, "encode", lambda self, text: longest.append(len(text)) or encode(self, text))
+    monkeypatch.setattr(PromptBuilder, "encode_batch",
+                        lambda self, texts: longest.extend(map(len, texts)) or encode_batch(self, texts))
+
+    job = load_job(make_job(docs=docs))
+    cap = (1024 + 1) * PromptBuilder(job.model_path).max_token_chars * 4
+    assert cap < 2_000_000
+    run_job(job, engine_factory=lambda j: FakeEngine(SCHEMA))
+    rows = results(job)
+    assert rows["r001"]["status"] == "failed" and rows["r001"]["error"] == (
+        "the document is 2,000,000 characters, more than max_model_len=1024 tokens can hold "
+        "(set input.on_too_long: truncate to cut it)")
+    assert rows["r000"]["status"] == rows["r002"]["status"] == "ok"
+    assert max(longest) < cap + 1000  # the document's first `cap` characters and the template's few
+
+    longest.clear()
+    job2 = load_job(make_job(docs=docs, job={"name": "t2", "input": {"on_too_long": "truncate"}}))
+    seen = FakeEngine(SCHEMA)
+    run_job(job2, engine_factory=lambda j: seen)
+    cut = results(job2)["r001"]
+    assert cut["status"] == "ok" and cut["document_tokens_cut"] > 1024  # at least: of the part tokenized
+    req = [r for r in seen.seen if r.row_id == "r001"][0]
+    assert len(req.prompt_token_ids) + 64 <= 1024 and max(longest) < cap + 1000
+
+
 def test_too_long_document_fails_or_is_truncated(make_job, tmp_path):
     from tests.conftest import write_docs
 
