@@ -9,10 +9,14 @@
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
-# The 8B shape was last measured at fd5ce10 (rounds of plain, sorted, runner and feedback after a
-# warm-up of plain and runner: bench/results/2026-12-03-nvidia-h200-8b-feedback.json). On that host
-# staging and install took ~3.5 min, the warm-up ~7 min (plain's first compile 244 s) and a round of
-# the four ~6.5 min: 3 such rounds do not fit in 30 device minutes; plan 2, or leave plain out. A start refused by the
+# The 8B shape was last measured at 81b1f0d (runner_first, then 3 rounds of sorted and runner with
+# the stored calibration, after a warm-up of sorted and runner: 1,079 s of device time in all;
+# staging ~40 s, install ~115 s, the warm-up ~270 s (sorted's first compile 179 s), a round ~160 s;
+# bench/results/2026-12-04-nvidia-h200-8b-steps.json):
+#   WARMUP="invoices/tight/8b=sorted,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
+#     --repeats 3 --deadline-s 800 --cases "invoices/tight/8b=runner_first@1;invoices/tight/8b=sorted,runner"
+# With plain arrival too (fd5ce10: bench/results/2026-12-03-nvidia-h200-8b-feedback.json) a round of
+# four took ~6.5 min: 3 such rounds do not fit in 30 device minutes; plan 2. A start refused by the
 # device (none free) still cost ~90 s of budget. The 135M was last measured at 585f8fb (3 rounds of
 # plain, sorted and runner after a warm-up of plain and runner, then 2 more rounds of the three with
 # --repeats 1 and a --workdir of their own: bench/results/2026-12-04-nvidia-h200-135m-5rounds.json;
