@@ -136,7 +136,7 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
         say(text)
 
 
-DATA_SUFFIXES = (".parquet", ".csv", ".jsonl", ".json", ".ndjson")
+DATA_SUFFIXES = (".parquet", ".pq", ".csv", ".jsonl", ".json", ".ndjson", ".gz", ".bz2")
 
 
 def _file_path(output: str) -> Path:

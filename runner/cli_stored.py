@@ -54,7 +54,7 @@ def status(job, overrides):
     say(f"job {name}: {plural(sum(g['rows'] for g in groups), 'row')} stored in {store.path}")
     pid = holder(store.path, name)
     if pid is not None:  # the counts below move while it stores rows
-        say(f"running now: pid {pid} holds the job's lock (a run, calibration or verification)")
+        say(f"running now: pid {pid} holds the job's lock (run, calibrate, verify, distill or prune)")
     rows = []
     for g in groups:
         fp = g["fingerprint"]

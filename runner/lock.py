@@ -60,9 +60,9 @@ class JobLock:
                     self.on_wait = None
                 try:
                     time.sleep(self.poll_s)
-                except Interrupted as exc:  # not "finished rows are stored": none were, by this process
-                    raise Interrupted(f"{str(exc).split(';')[0]} while it waited for the job's lock "
-                                      "(nothing done)") from None
+                except (Interrupted, KeyboardInterrupt) as exc:  # not "finished rows are stored": none were here
+                    how = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc).split(";")[0]
+                    raise Interrupted(f"{how} while it waited for the job's lock (nothing done)") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
 

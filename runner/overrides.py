@@ -1,6 +1,7 @@
 """`--set KEY=VALUE` on the command line: job settings for one command."""
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 import yaml
@@ -47,4 +48,5 @@ def _is_flow_mapping(text: str, value: dict) -> bool:
     values, which no setting is)."""
     if not (text.startswith("{") and text.endswith("}") and text.count("{") == 1):
         return False
-    return not (value and all(v is None for v in value.values()))
+    # `{a: null}` is a mapping (a colon and a space, as YAML needs one); `{text:>20}` has none
+    return not (value and all(v is None for v in value.values()) and not re.search(r":\s", text))

@@ -50,13 +50,15 @@ def file_format(file: str, declared: Optional[str]) -> str:
 def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     """The files a job's input path names: a file, a folder (its files of the format, or of any
     known format), or a glob. Below a folder or a glob's fixed part, names that begin with `_` or
-    `.` are left out, as pyarrow, Spark and Hive leave them (_SUCCESS, _temporary/, .part-0.crc);
-    linked folders are followed."""
+    `.` are left out, as pyarrow, Spark and Hive leave them (_SUCCESS, _temporary/, .part-0.crc),
+    unless the glob names such a part itself (data/_2024_*.parquet); linked folders are followed,
+    each file read once."""
     endings = _endings(declared) if declared else tuple(e for fmt in EXTENSIONS for e in _endings(fmt))
     if any(ch in path for ch in "*?["):
         root = _fixed_part(path)
-        files = sorted(f for f in glob.glob(path, recursive=True)
-                       if os.path.isfile(f) and not _hidden(os.path.relpath(f, root)))
+        named = {part[0] for part in Path(os.path.relpath(path, root)).parts if part.startswith(("_", "."))}
+        files = _once(sorted(f for f in glob.glob(path, recursive=True)
+                             if os.path.isfile(f) and not _hidden(os.path.relpath(f, root), named)))
     elif os.path.isdir(path):
         files = sorted(f for f in _walk(path) if os.path.basename(f).lower().endswith(endings))
     elif os.path.isfile(path):
@@ -64,13 +66,15 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     else:
         raise InputError(f"{path}: input file not found")
     if not files:
-        raise InputError(f"{path}: no input files match (Parquet, JSON Lines, CSV: {', '.join(sorted(set(endings)))})")
+        raise InputError(f"{path}: no input files match (Parquet, JSON Lines, CSV: {', '.join(sorted(set(endings)))}; "
+                         "names that begin with _ or . are left out unless the pattern names them)")
     return files
 
 
-def _hidden(relative: str) -> bool:
-    """A path below the input's folder with a part that begins with `_` or `.`."""
-    return any(part.startswith(("_", ".")) and part not in (".", "..") for part in Path(relative).parts)
+def _hidden(relative: str, named: set[str] = frozenset()) -> bool:
+    """A path below the input's folder with a part that begins with `_` or `.` (but not with one the
+    pattern's own parts begin with: `named`)."""
+    return any(part[0] in "_." and part[0] not in named and part not in (".", "..") for part in Path(relative).parts)
 
 
 def _fixed_part(pattern: str) -> str:
@@ -80,9 +84,17 @@ def _fixed_part(pattern: str) -> str:
     return str(Path(*parts[:fixed])) if fixed else "."
 
 
+def _once(files: list[str]) -> list[str]:
+    """Each file once, by its first name: `**` through a link back up names the same files again."""
+    seen: set[str] = set()
+    return [f for f in files if not (os.path.realpath(f) in seen or seen.add(os.path.realpath(f)))]
+
+
 def _walk(folder: str) -> Iterator[str]:
-    """The files below folder, through linked folders (each real folder once: a link back up
-    would loop), without hidden names (_hidden)."""
+    """The files below folder, through links to folders outside it, without hidden names (_hidden).
+    A link to a folder inside it is left to the folder's own path (a hive partition's key=value
+    is in that path, not the link's); each real folder is read once."""
+    root = os.path.realpath(folder)
     seen = set()
     for top, dirs, names in os.walk(folder, followlinks=True):
         real = os.path.realpath(top)
@@ -90,11 +102,20 @@ def _walk(folder: str) -> Iterator[str]:
             dirs[:] = []
             continue
         seen.add(real)
-        dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")))
+        dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")) and not _link_inside(os.path.join(top, d), root))
         for name in names:
             f = os.path.join(top, name)
             if not name.startswith(("_", ".")) and os.path.isfile(f):
                 yield f
+
+
+def _link_inside(path: str, root: str) -> bool:
+    """A link to a folder within root (or root itself) that the walk reaches by its own path (not
+    below a hidden name: `current -> _staging/v2` is read through the link)."""
+    if not os.path.islink(path):
+        return False
+    target = os.path.realpath(path)
+    return target == root or target.startswith(root + os.sep) and not _hidden(os.path.relpath(target, root))
 
 
 def _is_parquet(file: str) -> bool:

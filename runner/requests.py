@@ -61,7 +61,7 @@ class RequestBuilder:
         b = self.builder
         out: list[Request | Completion | Document] = []
         texts: list[tuple[int, str]] = []
-        whole = {d.row_id: len(d.text) for d in docs if d.text is not None}
+        originals = {d.row_id: d for d in docs}
         docs = [d if d.problem else b.capped(d, self.max_model_len) for d in docs]
         for d in docs:
             if d.problem:
@@ -78,16 +78,24 @@ class RequestBuilder:
         except (ModelError, TemplateError) as exc:  # the chat template refused this system prompt
             return [Completion(d.row_id, error=str(exc)) if isinstance(o, Document) else o for d, o in zip(docs, out)]
         for (i, _), ids in zip(texts, all_ids):
-            out[i] = self._request(group, docs[i], ids, whole.get(docs[i].row_id, 0))
+            original = originals[docs[i].row_id]
+            out[i] = self._request(group, docs[i], ids, original if original is not docs[i] else None)
         return out
 
-    def _request(self, group: Group, doc: Document, ids: list[int], chars: int) -> Request | Completion:
-        """chars: the document's length before capped() cut it (a cut count is then at least)."""
+    def _request(self, group: Group, doc: Document, ids: list[int], original: Optional[Document] = None
+                 ) -> Request | Completion:
+        """original: the document before capped() cut it. Where its part overflows the prompt, what
+        the whole would do is known (the same first tokens, too long); where it does not, the whole
+        is tokenized after all (a normalizer may have dropped more than capped() allows for)."""
         b = self.builder
         ids, too_long, cut = b.fit(group.system_prompt, doc, ids, self.max_model_len, self.max_tokens, self.truncate)
-        if too_long and chars > len(doc.text):
-            too_long = (f"the document is {chars:,} characters, more than max_model_len={self.max_model_len} tokens "
-                        "can hold (set input.on_too_long: truncate to cut it)")
+        if original is not None and not too_long and not cut:
+            doc = original
+            ids = b.prompt_ids(group.system_prompt, b.user_text(doc))
+            ids, too_long, cut = b.fit(group.system_prompt, doc, ids, self.max_model_len, self.max_tokens, self.truncate)
+        elif original is not None and too_long and "set input.on_too_long: truncate" in too_long:
+            too_long = (f"the document is {len(original.text):,} characters, more than max_model_len="
+                        f"{self.max_model_len} tokens can hold (set input.on_too_long: truncate to cut it)")
         if too_long:
             return Completion(doc.row_id, prompt_tokens=len(ids), error=too_long)
         g = self.groups.setdefault(group.key, GroupSummary(group.key, ""))

@@ -61,11 +61,10 @@ class SamplingSpec(Strict):
 
     @model_validator(mode="after")
     def _min_within_max(self) -> "SamplingSpec":
-        """vLLM refuses min_tokens over max_tokens when the engine starts: said by validate instead."""
-        for name in ("max_tokens", "retry_max_tokens"):
-            most = getattr(self, name)
-            if self.min_tokens is not None and most is not None and self.min_tokens > most:
-                raise ValueError(f"min_tokens ({self.min_tokens}) is more than {name} ({most})")
+        """vLLM refuses min_tokens over max_tokens when the engine starts: said by validate instead
+        (a retry's budget is at least max_tokens: runner/outputs.py)."""
+        if self.min_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is more than max_tokens ({self.max_tokens})")
         return self
 
     def vllm_kwargs(self) -> dict[str, Any]:

@@ -91,7 +91,7 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
         try:
             pending = pending_migrations(path)
         except StoreError as exc:
-            raise StoreError(f"{path}: {exc}") from None
+            raise StoreError(str(exc) if str(exc).startswith(f"{path}:") else f"{path}: {exc}") from None
         if pending:
             raise StoreError(f"{path}: made by an older runner, it needs its migration {pending[0]} to be read, "
                              "and this user cannot write it here: copy it to a folder you can write, or run any "

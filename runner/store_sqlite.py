@@ -308,6 +308,7 @@ def check_database(path: Path) -> None:
 
     if not (path.is_file() and path.stat().st_size):
         return
+    refuse_foreign(path)  # another program's SQLite file: said as the run says it
     try:
         pending_migrations(path)
         con = sqlite3.connect(read_uri(path), uri=True)
@@ -315,8 +316,10 @@ def check_database(path: Path) -> None:
             problems = [r[0] for r in con.execute("PRAGMA quick_check")]
         finally:
             con.close()
+    except sqlite3.OperationalError as exc:  # locked, or unreadable: not damage
+        raise StoreError(f"{path}: cannot open the results database: {short_error(exc)}") from None
     except sqlite3.DatabaseError as exc:
         problems = [str(exc)]
     except StoreError as exc:
-        raise StoreError(f"{path}: {exc}") from None
+        raise StoreError(str(exc) if str(exc).startswith(f"{path}:") else f"{path}: {exc}") from None
     refuse_damaged(path, problems)

@@ -315,6 +315,29 @@ def test_a_lock_wait_stopped_by_a_signal_closes_its_file(tmp_path):
         assert fds() == before
 
 
+def test_ctrl_c_while_waiting_for_the_lock_says_nothing_was_done(tmp_path):
+    """Not "finished rows are stored, rerun to resume": this process stored none."""
+    from runner.lock import JobLock
+    from runner.signals import Interrupted
+
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+
+    db = tmp_path / "results.sqlite"
+    with JobLock(db, "job"):
+        old = signal.signal(signal.SIGALRM, ctrl_c)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            with pytest.raises(Interrupted) as stopped:
+                with JobLock(db, "job", wait=True, poll_s=0.05):
+                    pass
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+    assert str(stopped.value) == "interrupted while it waited for the job's lock (nothing done)"
+    assert stopped.value.exit_code == 130
+
+
 def test_a_run_stopped_right_after_its_row_exists_ends_interrupted(make_job, tmp_path):
     """Stopped between begin_run and the engine (here by Ctrl-C while it reports rows left out),
     the run row ends `interrupted`, not `running`."""

@@ -192,6 +192,30 @@ def test_hive_partition_folders_become_columns(tmp_path):
     assert scan_input(str(tmp_path / "in"), spec).rows == 4
 
 
+def test_a_link_to_a_partition_inside_the_input_leaves_the_partition_to_its_own_path(tmp_path):
+    """`current -> desk=sports` (sorted before it): read once, by the path that holds desk=sports."""
+    write_docs(tmp_path / "in" / "desk=sports" / "part-0.parquet", 2)
+    (tmp_path / "in" / "current").symlink_to(tmp_path / "in" / "desk=sports")
+    spec = SPEC.model_copy(update={"extra_columns": ["desk"]})
+    assert [p.split("/in/", 1)[1] for p in input_files(str(tmp_path / "in"))] == ["desk=sports/part-0.parquet"]
+    assert [r.fields["desk"] for r in iter_documents(str(tmp_path / "in"), spec, None)] == ["sports", "sports"]
+    # a link to a hidden folder inside is the way in to it: read through the link
+    write_docs(tmp_path / "in" / "_staging" / "v2" / "part-0.parquet", 1)
+    (tmp_path / "in" / "next").symlink_to(tmp_path / "in" / "_staging" / "v2")
+    assert [p.split("/in/", 1)[1] for p in input_files(str(tmp_path / "in"))] == [
+        "desk=sports/part-0.parquet", "next/part-0.parquet"]
+
+
+def test_a_glob_reads_the_underscore_names_it_names_and_each_file_once(tmp_path):
+    write_docs(tmp_path / "data" / "_2024_a.parquet", 2)
+    write_docs(tmp_path / "data" / "_tmp" / "x.parquet", 2)
+    assert [p.rsplit("/", 1)[1] for p in input_files(str(tmp_path / "data" / "_2024_*.parquet"))] == ["_2024_a.parquet"]
+    with pytest.raises(InputError, match="names that begin with _ or . are left out unless the pattern names them"):
+        input_files(str(tmp_path / "data" / "*.parquet"))
+    (tmp_path / "data" / "up").symlink_to(tmp_path / "data")  # `**` through a link back up
+    assert len(input_files(str(tmp_path / "data" / "**" / "_2024_*.parquet"))) == 1
+
+
 def test_a_prefetch_dropped_unread_stops_its_thread():
     """Dropped without close() and before its first item (a caller that failed early), the
     reading thread still stops: it does not hold the Prefetched alive."""

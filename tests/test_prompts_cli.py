@@ -202,6 +202,6 @@ def test_a_template_given_with_set_stays_text_and_a_mapping_stays_a_mapping():
                    "engine": {"extra_args": {"seed": 3}}, "input": {"extra_columns": ["title"]}}
     # a format spec, as the unknown-field error suggests ({title:>20}): text, not {"title:>20": null}
     got = apply_overrides({}, ["prompts.user_template={text:>20}", "prompts.system_template={title:05d}",
-                               "engine.extra_args={seed: 3, enforce_eager: true}"])
+                               "engine.extra_args={seed: 3, enforce_eager: true}", "sampling.extra_args={a: null}"])
     assert got == {"prompts": {"user_template": "{text:>20}", "system_template": "{title:05d}"},
-                   "engine": {"extra_args": {"seed": 3, "enforce_eager": True}}}
+                   "engine": {"extra_args": {"seed": 3, "enforce_eager": True}}, "sampling": {"extra_args": {"a": None}}}

@@ -216,6 +216,28 @@ def test_a_document_longer_than_any_prompt_is_cut_before_it_is_tokenized(make_jo
     assert len(req.prompt_token_ids) + 64 <= 1024 and max(longest) < cap + 1000
 
 
+def test_a_cut_document_whose_part_fits_is_tokenized_whole_after_all(make_job, tmp_path, monkeypatch):
+    """capped()'s bound assumes a token stands for at most max_token_chars characters, 4x for
+    normalizers; a tokenizer that drops more (collapsing whitespace) must not see its row cut."""
+    import pyarrow as pa
+
+    from runner.prompting import PromptBuilder
+    from tests.conftest import write_docs
+
+    docs = write_docs(tmp_path / "data" / "spaces.parquet", 2)
+    t = pq.read_table(docs).to_pydict()
+    t["text"][1] = " sentiment" * 700 + " THE END"  # 7,008 characters in ~700 tokens: one a word
+    pq.write_table(pa.table(t), docs)
+    monkeypatch.setattr(PromptBuilder, "max_token_chars", 1)  # a cap of (1024 + 1) * 4 characters
+    job = load_job(make_job(docs=docs))
+    assert len(PromptBuilder(job.model_path).encode(t["text"][1])) < 900  # the whole fits in 1024 - 64
+    seen = FakeEngine(SCHEMA)
+    run_job(job, engine_factory=lambda j: seen)
+    assert results(job)["r001"]["status"] == "ok"
+    req = [r for r in seen.seen if r.row_id == "r001"][0]
+    assert "THE END" in PromptBuilder(job.model_path).decode(req.prompt_token_ids)
+
+
 def test_too_long_document_fails_or_is_truncated(make_job, tmp_path):
     from tests.conftest import write_docs
 

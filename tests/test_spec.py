@@ -80,8 +80,6 @@ def test_real_sample_job_is_valid():
     (lambda s: s["sampling"].update(stop=["}", ""]), "job.yaml: sampling.stop: Value error, an empty string would stop"),
     (lambda s: s["sampling"].update(min_tokens=500, max_tokens=160),
      "job.yaml: sampling: Value error, min_tokens (500) is more than max_tokens (160)"),
-    (lambda s: s["sampling"].update(min_tokens=20, max_tokens=160, retry_max_tokens=10),
-     "job.yaml: sampling: Value error, min_tokens (20) is more than retry_max_tokens (10)"),
     (lambda s: s.update(prompts={"user_template": "{text"}), "job.yaml: prompts.user_template: "),
     (lambda s: s.update(prompts={"user_template": "{text.upper}"}), "job.yaml: prompts.user_template: {text.upper}: "),
     (lambda s: s.update(prompts={"user_template": "{title}: {text}"}), "job.yaml: prompts.user_template: unknown field {title}"),
@@ -109,6 +107,8 @@ def test_one_stop_string_is_a_list_of_one_as_vllm_takes_it(make_job):
     assert load_job(path, ["sampling.stop=END"]).spec.sampling.stop == ["END"]
     assert load_job(path, ["sampling.stop=[END, STOP]"]).spec.sampling.stop == ["END", "STOP"]
     assert load_job(path, ["sampling.min_tokens=160", "sampling.max_tokens=160"]).spec.sampling.min_tokens == 160
+    # a retry's budget is max(retry_max_tokens, max_tokens): a smaller retry_max_tokens is no conflict
+    assert load_job(path, ["sampling.min_tokens=20", "sampling.retry_max_tokens=10"]).spec.sampling.min_tokens == 20
 
 
 def test_a_job_overrides_an_engine_section_key_by_key(make_job):
