@@ -102,10 +102,10 @@ def _walk(folder: str) -> Iterator[str]:
             dirs[:] = []
             continue
         seen.add(real)
-        dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")) and not _link_inside(os.path.join(top, d), root))
+        dirs[:] = sorted(d for d in dirs if not _hidden(d) and not _link_inside(os.path.join(top, d), root))
         for name in names:
             f = os.path.join(top, name)
-            if not name.startswith(("_", ".")) and os.path.isfile(f):
+            if not _hidden(name) and os.path.isfile(f):
                 yield f
 
 

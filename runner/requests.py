@@ -61,8 +61,7 @@ class RequestBuilder:
         b = self.builder
         out: list[Request | Completion | Document] = []
         texts: list[tuple[int, str]] = []
-        originals = {d.row_id: d for d in docs}
-        docs = [d if d.problem else b.capped(d, self.max_model_len) for d in docs]
+        whole, docs = docs, [d if d.problem else b.capped(d, self.max_model_len) for d in docs]
         for d in docs:
             if d.problem:
                 out.append(Completion(d.row_id, error=d.problem))
@@ -78,8 +77,7 @@ class RequestBuilder:
         except (ModelError, TemplateError) as exc:  # the chat template refused this system prompt
             return [Completion(d.row_id, error=str(exc)) if isinstance(o, Document) else o for d, o in zip(docs, out)]
         for (i, _), ids in zip(texts, all_ids):
-            original = originals[docs[i].row_id]
-            out[i] = self._request(group, docs[i], ids, original if original is not docs[i] else None)
+            out[i] = self._request(group, docs[i], ids, whole[i] if whole[i] is not docs[i] else None)
         return out
 
     def _request(self, group: Group, doc: Document, ids: list[int], original: Optional[Document] = None

@@ -24,8 +24,8 @@ from runner.rows import RESULT_COLUMNS, STATUSES, ResultRow, StatsRow
 from runner.store_history import HistoryRecords
 from runner.store_input import InputRecords
 from runner.store_speculation import SpeculationRecords
-from runner.store_sqlite import (DoneFilter, Transaction, check_unchanged, refuse_damaged, refuse_foreign, short_error,
-                                 sqlite_engine)
+from runner.store_sqlite import (DoneFilter, Transaction, check_unchanged, named, refuse_damaged, refuse_foreign,
+                                 short_error, sqlite_engine)
 
 _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
                    f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
@@ -63,7 +63,7 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
             raise StoreError(f"{self.path}: cannot open the results database: {short_error(exc)}") from None
         except StoreError as exc:  # named here unless the message names the file already
             self.check_unchanged()
-            raise StoreError(str(exc) if str(exc).startswith(f"{self.path}:") else f"{self.path}: {exc}") from None
+            raise named(self.path, exc) from None
         missing = [t for t in _TABLES if t not in meta.tables]
         if missing:  # every migration is recorded, yet a table is gone: dropped by hand, or damage
             self.check_unchanged()
@@ -91,7 +91,7 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
         try:
             pending = pending_migrations(path)
         except StoreError as exc:
-            raise StoreError(str(exc) if str(exc).startswith(f"{path}:") else f"{path}: {exc}") from None
+            raise named(path, exc) from None
         if pending:
             raise StoreError(f"{path}: made by an older runner, it needs its migration {pending[0]} to be read, "
                              "and this user cannot write it here: copy it to a folder you can write, or run any "

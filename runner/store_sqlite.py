@@ -294,6 +294,12 @@ def unwritable_reason(path: Path) -> Optional[str]:
     return None
 
 
+def named(path: Path, exc: StoreError) -> StoreError:
+    """The error with the file's name in front, unless its message begins with it already."""
+    text = str(exc)
+    return StoreError(text if text.startswith(f"{path}:") else f"{path}: {text}")
+
+
 def refuse_damaged(path: Path, problems: list[str]) -> None:
     """StoreError for what PRAGMA quick_check found (["ok"]: nothing)."""
     if problems != ["ok"]:
@@ -302,13 +308,13 @@ def refuse_damaged(path: Path, problems: list[str]) -> None:
 
 
 def check_database(path: Path) -> None:
-    """`validate`'s look at an existing database, reading only: a newer runner's file, or a damaged
-    one, stops here as it would stop `runner run` (an older runner's is upgraded by the run)."""
+    """`validate`'s look at an existing database, reading only, after refuse_unwritable (which
+    refuses another program's file): a newer runner's file, or a damaged one, stops here as it
+    would stop `runner run` (an older runner's is upgraded by the run)."""
     from runner.migrations import pending_migrations
 
     if not (path.is_file() and path.stat().st_size):
         return
-    refuse_foreign(path)  # another program's SQLite file: said as the run says it
     try:
         pending_migrations(path)
         con = sqlite3.connect(read_uri(path), uri=True)
@@ -321,5 +327,5 @@ def check_database(path: Path) -> None:
     except sqlite3.DatabaseError as exc:
         problems = [str(exc)]
     except StoreError as exc:
-        raise StoreError(str(exc) if str(exc).startswith(f"{path}:") else f"{path}: {exc}") from None
+        raise named(path, exc) from None
     refuse_damaged(path, problems)
