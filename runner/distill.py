@@ -23,8 +23,11 @@ from runner.errors import ModelError, RunnerError
 from runner.fingerprint import result_fingerprint
 from runner.lock import JobLock
 from runner.models import model_fingerprint
+from runner.plan import Group, group_key
 from runner.prompting import PromptBuilder, builder_for
 from runner.readers import LocalReader
+from runner.requests import RequestBuilder
+from runner.engines.base import Request
 from runner.spec import Job
 from runner.store import Store
 
@@ -69,14 +72,17 @@ def examples(job: Job, store: Store, builder: PromptBuilder, max_rows: Optional[
     eos = builder.eos_token_id()
     out = []
     reader = LocalReader(job.input_path, job.spec.input)
+    # The prompt the run sent: built as a run builds it (a document cut by on_too_long: truncate
+    # is cut here too), or the output would be paired with a prompt the model never saw.
+    requests = RequestBuilder(job, builder)
     for doc in reader.documents(job.system_source, reader.scan().skip):  # rejected rows made no output
         ids = outputs.get(doc.row_id)
         if ids is None or doc.problem:
             continue
-        try:
-            prompt = builder.prompt_ids(doc.system_prompt, builder.user_text(doc))
-        except (KeyError, ValueError, TypeError, IndexError, AttributeError):
+        built = requests.build_many(Group(group_key(doc.system_prompt), doc.system_prompt), [doc])[0]
+        if not isinstance(built, Request):  # no prompt (a template error): the run stored no ok row for it
             continue
+        prompt = built.prompt_token_ids
         out.append(Example(doc.row_id, prompt, ids + ([eos] if eos is not None and (not ids or ids[-1] != eos) else [])))
         if max_rows and len(out) >= max_rows:
             break

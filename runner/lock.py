@@ -83,12 +83,45 @@ def held(database: Path, job_name: str) -> bool:
 
 
 def holder(database: Path, job_name: str) -> Optional[int]:
-    """The pid of the process that may hold the job's lock now (see held), or None."""
+    """The pid of the process that may hold the job's lock now (see held), or None. A killed
+    holder's pid stays in the file, and another process may get that pid later: where the kernel
+    lists its locks (/proc/locks), the pid counts only if it, or the file, holds one."""
+    path = lock_path(database, job_name)
     try:
-        text = lock_path(database, job_name).read_text(errors="replace").strip()
+        text = path.read_text(errors="replace").strip()
+        st = path.stat()
     except OSError:  # no lock file: nothing ever ran
         return None
-    return int(text) if text.isdigit() and process_alive(int(text)) else None
+    if not (text.isdigit() and process_alive(int(text))):
+        return None
+    locks = flock_holders()
+    if locks is None:
+        return int(text)
+    pids, files = locks
+    # either may miss: another pid namespace lists other pids, an overlay filesystem other inodes
+    return int(text) if int(text) in pids or (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in files else None
+
+
+def flock_holders(proc_locks: str = "/proc/locks") -> Optional[tuple[set[int], set[tuple[int, int, int]]]]:
+    """(pids, (major, minor, inode) of files) holding flock locks, from Linux's lock table; None
+    where it cannot be read. A process waiting for a lock is listed after "->": not a holder."""
+    try:
+        with open(proc_locks) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    pids, files = set(), set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != "FLOCK":  # "N: -> FLOCK ..." is a waiter; POSIX locks are not ours
+            continue
+        try:
+            major, minor, inode = parts[5].split(":")
+            pids.add(int(parts[4]))
+            files.add((int(major, 16), int(minor, 16), int(inode)))
+        except ValueError:
+            continue
+    return pids, files
 
 
 def process_alive(pid: int) -> bool:

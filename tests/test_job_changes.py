@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 
@@ -575,3 +576,37 @@ def test_a_log_linked_to_a_file_not_made_yet_is_written(make_job, tmp_path):
     assert invoke("validate", job).exit_code == 0
     assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
     assert "runner run" in target.read_text()
+
+
+def test_a_killed_holders_pid_taken_by_another_process_is_not_a_holder(tmp_path):
+    """A run killed with SIGKILL leaves its pid in the lock file; a later process may get that pid.
+    Where the kernel lists its locks, only a process that holds the lock is named."""
+    import subprocess
+    import sys
+
+    from runner.lock import flock_holders, holder, lock_path
+
+    if flock_holders() is None:
+        pytest.skip("no /proc/locks on this system")
+    db = tmp_path / "r.sqlite"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock_path(db, "t").write_text(str(other.pid))  # alive, but it holds no lock
+        assert holder(db, "t") is None
+        with JobLock(db, "t"):
+            assert holder(db, "t") == os.getpid()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_the_kernels_lock_table_is_read_for_flock_holders_only(tmp_path):
+    from runner.lock import flock_holders
+
+    table = tmp_path / "locks"
+    table.write_text("1: FLOCK  ADVISORY  WRITE 4242 fe:01:123 0 EOF\n"
+                     "1: -> FLOCK  ADVISORY  WRITE 4343 fe:01:123 0 EOF\n"
+                     "2: POSIX  ADVISORY  WRITE 4444 08:10:77 0 EOF\n"
+                     "3: OFDLCK ADVISORY  READ  -1 00:2a:9 0 EOF\n")
+    assert flock_holders(str(table)) == ({4242}, {(0xfe, 1, 123)})
+    assert flock_holders(str(tmp_path / "none")) is None
