@@ -81,7 +81,8 @@ def compile_template(source: str):
     try:
         return env.from_string(source)
     except jinja2.TemplateError as exc:
-        raise TemplateError(f"chat template: {exc.__class__.__name__}: {exc}") from None
+        line = f"line {exc.lineno}: " if getattr(exc, "lineno", None) else ""
+        raise TemplateError(f"chat template: {line}{exc.__class__.__name__}: {exc}") from None
 
 
 def render(template, messages: list[dict], variables: dict[str, Any]) -> str:

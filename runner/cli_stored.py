@@ -137,6 +137,7 @@ def _next_run(spec, store) -> str:
     from runner.errors import InputError, SpecError
     from runner.fingerprint import result_fingerprint
     from runner.readers import LocalReader
+    from runner.resume import length_rule_changes
 
     try:
         scan = LocalReader(spec.input_path, spec.spec.input).scan(keep_ids=store is not None)
@@ -147,8 +148,9 @@ def _next_run(spec, store) -> str:
     if store is None:
         return f"next run: all {plural(scan.rows, 'input row')}"
     try:
-        fingerprint, _ = result_fingerprint(spec)
-        counts = store.input_counts(spec.name, scan.ids.path, fingerprint)
+        fingerprint, components = result_fingerprint(spec)
+        counts = store.input_counts(spec.name, scan.ids.path, fingerprint,
+                                    length_rule_changes(store, spec, fingerprint, components))
     finally:
         scan.ids.close()
     todo, retry = scan.rows - counts.current, scan.rows - counts.ok
@@ -156,5 +158,6 @@ def _next_run(spec, store) -> str:
     also = f"; {retry:,} with --retry-failed" if retry != todo else ""
     if not todo:
         return f"next run: nothing to run (all {plural(scan.rows, 'input row')} stored){also}"
-    parts = [f"{todo - redo:,} new"] + ([f"{redo:,} stored by another version"] if redo else [])
+    parts = ([f"{todo - redo:,} new"] if todo > redo or not redo else []) + (
+        [f"{redo:,} stored by another version"] if redo else [])
     return f"next run: {todo:,} of {plural(scan.rows, 'input row')} to run ({', '.join(parts)}){also}"

@@ -1,4 +1,5 @@
-"""A CSV file that ends inside a quoted field: cut off mid-copy, or its quoting broken.
+"""A CSV file that ends inside a quoted field: cut off mid-copy, or its quoting broken; and
+pyarrow's CSV errors said in the user's terms.
 
 pyarrow reads a quote left open at the end of the file as closed there, so the last row would be
 stored with its text cut short, as if nothing were wrong. Python's csv module (C, ~140 MB/s) is
@@ -46,3 +47,20 @@ def refuse_open_quote(file: str) -> None:
     if last != [SENTINEL]:
         raise InputError(f"{file}: the file ends inside a quoted field opened in the row on line {start:,}: "
                          "it was cut off, or its quoting is broken")
+
+
+def explain_csv_error(file: str, message: str) -> str:
+    """One line for a CSV error pyarrow raised: which row (the header is row 1; a quoted field may
+    span lines) and what is wrong with it, without pyarrow's dataset wrapping."""
+    import re
+
+    reason = message.rsplit("Invalid: ", 1)[-1]  # "Error creating dataset. ... Invalid: <the error>"
+    if m := re.search(r"Row #(\d+): Expected (\d+) columns, got (\d+): ?(.*)", reason, re.S):
+        row, want, got, text = m.groups()
+        return (f"{file}: row {int(row):,} has {got} fields where the header has {want} (the header is row 1): "
+                f"{text[:80]!r}")
+    if m := re.search(r"column #(\d+): Row #(\d+): CSV conversion error to string: invalid UTF8", reason):
+        column, row = m.groups()
+        return (f"{file}: row {int(row):,}, field {int(column) + 1}, holds bytes that are not UTF-8 text "
+                "(the header is row 1; save the file as UTF-8)")
+    return f"{file}: corrupt or unreadable csv data ({reason})"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from runner import chat_template as templates
-from runner.errors import ModelError
+from runner.errors import ModelError, TemplateError
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,6 @@ class PromptBuilder:
         """TemplateError where two different user texts render the same prompt: a chat template that
         drops the user's turn would send every row the same prompt (and store its answer for each).
         A template that refuses these probes is left to the rows (some refuse what others take)."""
-        from runner.errors import TemplateError
-
         try:
             a, b = (self.render("s", text) for text in ("first document", "second document"))
         except TemplateError:
@@ -225,7 +223,11 @@ def builder_for(job) -> PromptBuilder:
     p = job.spec.prompts
     builder = PromptBuilder(job.model_path, p.user_template, examples=[e.model_dump() for e in p.examples],
                             chat_template=job.chat_template, chat_template_kwargs=p.chat_template_kwargs)
-    builder.compile_template()  # a template that cannot compile is the job's error, not every row's
-    builder.check_the_document_reaches_the_model(f"{job.path}: prompts.chat_template ({p.chat_template})"
-                                                 if p.chat_template else f"the chat template of {job.model_path}")
+    where = (f"{job.path}: prompts.chat_template ({p.chat_template})" if p.chat_template
+             else f"the chat template of {job.model_path}")
+    try:
+        builder.compile_template()  # a template that cannot compile is the job's error, not every row's
+    except TemplateError as exc:
+        raise TemplateError(f"{where}: {str(exc).removeprefix('chat template: ')}") from None
+    builder.check_the_document_reaches_the_model(where)
     return builder

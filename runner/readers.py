@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 
 from runner import json_lines
 from runner.blocks import Resumable
-from runner.csv_quotes import refuse_open_quote
+from runner.csv_quotes import explain_csv_error, refuse_open_quote
 from runner.errors import InputError
 from runner.spec import InputSpec
 
@@ -183,6 +183,8 @@ class LocalReader(Reader):
                 fmt = file_format(file, self.spec.format)
                 if fmt != "parquet" and _is_parquet(file):  # input.format names another format than the file's
                     raise InputError(f"{file}: a Parquet file, read as {fmt} (input.format: {fmt})") from None
+                if fmt == "csv":
+                    raise InputError(explain_csv_error(file, str(exc))) from None
                 raise InputError(f"{file}: corrupt or unreadable {fmt} data ({exc})") from None
 
     def _file_batches(self, file: str, partition: dict, columns: list[str]):

@@ -47,6 +47,7 @@ def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool, coun
     `counted`: the counts where they are known without asking (the input once counted is enough)."""
     fingerprint, components = result_fingerprint(job)
     store.register_fingerprint(job.name, fingerprint, components)
+    kept = keep_rows_the_length_rule_does_not_touch(store, job, fingerprint, components) if counted is None else 0
     counts = counted or store.input_counts(job.name, scan.ids.path, fingerprint)
     skipped = counts.kept(retry_failed)
     redone = counts.stored - skipped
@@ -56,8 +57,33 @@ def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool, coun
         stale = {e.get("fingerprint") for e in store.rows_by_fingerprint(job.name)} - {fingerprint, None}
         for fp in stale & set(known):
             reasons.update(changed_parts(known[fp], components))
-    return Work(fingerprint, scan.rows - skipped, skipped, redone, sorted(reasons),
+    work = Work(fingerprint, scan.rows - skipped, skipped, redone, sorted(reasons),
                 store.done_filter(job.name, fingerprint, ok_only=retry_failed), skip=scan.skip)
+    if kept:
+        work.notes.append(f"input.on_too_long changed: {plural(kept, 'stored row')} that it does not change kept "
+                          "(neither cut nor too long)")
+    return work
+
+
+# A document cut to fit leaves its prompt within a few tokens of the room (fit()'s 8 tokens of
+# slack, and re-tokenizing); rows stored before document_tokens_cut existed are told by that alone.
+CUT_SLACK_TOKENS = 16
+
+
+def length_rule_changes(store: Store, job: Job, fingerprint: str, components: dict) -> tuple[list[str], int]:
+    """(the job's stored fingerprints that differ from this one in input.on_too_long alone, the
+    most prompt tokens of a row that rule cannot have touched)."""
+    room = job.engine.max_model_len - job.spec.sampling.max_tokens - CUT_SLACK_TOKENS
+    return [fp for fp, old in store.fingerprint_components(job.name).items()
+            if fp != fingerprint and changed_parts(old, components) == ["on_too_long"]], room
+
+
+def keep_rows_the_length_rule_does_not_touch(store: Store, job: Job, fingerprint: str, components: dict) -> int:
+    """Where input.on_too_long is all that changed, the stored rows it cannot change (their
+    prompt fitted whole) take the new fingerprint instead of running again; the rows it was
+    applied to (cut, or failed as too long) run again. Returns how many were kept."""
+    fps, room = length_rule_changes(store, job, fingerprint, components)
+    return sum(store.adopt_uncut_rows(job.name, fp, fingerprint, max_prompt_tokens=room) for fp in fps)
 
 
 def shared_name(store: Store, job: Job, fingerprint: str) -> Optional[str]:

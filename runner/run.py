@@ -128,6 +128,8 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     restarted = restart(store, job, scan) if opts.restart else None
     # the fingerprint has the backend as configured; after --restart no row of the input is stored
     work = work_to_do(store, job, scan, opts.retry_failed, counted=InputCounts(0, 0, 0) if restarted else None)
+    for note in work.notes if opts.notify is not None else ():
+        opts.notify(note)
     shared = shared_name(store, job, work.fingerprint)
     if shared:
         work.notes.append(shared)

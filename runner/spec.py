@@ -36,6 +36,14 @@ class InputSpec(Strict):
         "fail: a null or duplicate id, or a null text, stops the run before it starts; store: such a "
         "row is recorded (failed, or in rejected_rows) and the run goes on; duplicates keep the first"))
 
+    @field_validator("extra_columns")
+    @classmethod
+    def _once_each(cls, v: list[str]) -> list[str]:
+        twice = sorted({c for c in v if v.count(c) > 1})
+        if twice:  # a second copy would be a second column of the same name in exports and reports
+            raise ValueError(f"{', '.join(map(repr, twice))} listed more than once")
+        return v
+
     def columns(self) -> list[tuple[str, str]]:
         """(column, the job field that names it) of every column a run reads: the one list."""
         cols = [(self.id_column, "input.id_column"), (self.text_column, "input.text_column")]

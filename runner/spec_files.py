@@ -31,8 +31,26 @@ def format_validation_error(file: Path, exc: ValidationError, prefix: str = "") 
         if not close and len(first["loc"]) == 1 and str(first["loc"][0]) in _keys_at(exc.title, ("engine",)):
             close = [f"engine.{first['loc'][0]}"]  # an engine setting at the job's top level (verify: ...)
         msg = "unknown key" + (f"; did you mean {close[0]}?" if close else "")
+    elif first["type"] in _PARSING:
+        msg += _got(first.get("input"))
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{file}: {loc}: {msg}{more}"
+
+
+_PARSING = ("int_parsing", "int_from_float", "float_parsing", "bool_parsing", "int_type", "float_type")
+
+
+def _got(value: Any) -> str:
+    """What the file gave, for an error about its type: YAML reads `1e9` (no dot) as text."""
+    import re
+
+    if not isinstance(value, (str, int, float)) or len(repr(value)) > 40:
+        return ""
+    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+", value.strip()):
+        number = float(value)
+        plain = f"{int(number)}" if number.is_integer() and abs(number) < 1e18 else f"{number}"
+        return f" (given the text {value!r}: YAML reads this form of a number as text; write {plain})"
+    return f" (given {value!r})"
 
 
 def _union_member(part: Any) -> bool:

@@ -20,6 +20,16 @@ _TO_HISTORY = (f"INSERT INTO results_history (id, {', '.join(RESULT_COLUMNS)}, r
 class HistoryRecords:
     """Store's methods that move rows into results_history and delete them from it."""
 
+    def adopt_uncut_rows(self, job_name: str, old: str, new: str, max_prompt_tokens: int) -> int:
+        """Give the job's rows of fingerprint `old` whose document was not cut and whose prompt is at
+        most max_prompt_tokens the fingerprint `new` (see resume.keep_rows_the_length_rule_does_not_touch).
+        Returns how many."""
+        with self._tx() as conn:
+            return conn.exec_driver_sql(
+                "UPDATE results SET fingerprint = ? WHERE job_name = ? AND fingerprint = ? "
+                "AND coalesce(document_tokens_cut, 0) = 0 AND prompt_tokens <= ?",
+                (new, job_name, old, max_prompt_tokens)).rowcount
+
     def _archive(self, conn, rows: list[ResultRow], now: str) -> None:
         """Copy the stored rows these will replace into results_history (none, on a first run)."""
         by_job: dict[str, list[str]] = {}

@@ -12,13 +12,19 @@ from runner.store_sqlite import BUSY_TIMEOUT_MS, InputCounts, read_uri
 class InputRecords:
     """Store's methods that join the results table with an input's row ids."""
 
-    def input_counts(self, job_name: str, ids_file: Path, fingerprint: str) -> InputCounts:
+    def input_counts(self, job_name: str, ids_file: Path, fingerprint: str,
+                     adoptable: tuple[list[str], int] = ([], 0)) -> InputCounts:
         """How many of the input's rows are stored: in all, by this version of the job (or before
         fingerprints), and ok (by any version). One pass, joined on disk with the input's row ids
-        (runner/row_ids.py): no set of a million ids in memory."""
-        q = ("SELECT count(*), coalesce(sum(r.fingerprint = ? OR r.fingerprint IS NULL), 0), "
+        (runner/row_ids.py): no set of a million ids in memory. adoptable: (fingerprints, most
+        prompt tokens) of rows a run would keep (see adopt_uncut_rows), counted as this version's."""
+        fps, most = adoptable
+        also = (f" OR (r.fingerprint IN ({', '.join('?' * len(fps))}) AND coalesce(r.document_tokens_cut, 0) = 0 "
+                "AND r.prompt_tokens <= ?)") if fps else ""
+        q = (f"SELECT count(*), coalesce(sum(r.fingerprint = ? OR r.fingerprint IS NULL{also}), 0), "
              "coalesce(sum(r.status = 'ok'), 0) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id")
-        return InputCounts(*self._with_input_ids(ids_file, q, (fingerprint, job_name))[0])
+        params = (fingerprint, *fps, most) if fps else (fingerprint,)
+        return InputCounts(*self._with_input_ids(ids_file, q, (*params, job_name))[0])
 
     def input_status_counts(self, job_name: str, ids_file: Path) -> dict[str, int]:
         """The input's stored rows by status: what output.max_failed_fraction is judged on (rows

@@ -52,6 +52,20 @@ def test_a_csv_row_longer_than_pyarrows_blocks_is_read(make_job, tmp_path):
     assert out.exit_code == 0, out.output
 
 
+def test_a_csv_row_that_does_not_fit_the_header_or_utf8_is_named_by_its_row(make_job, tmp_path):
+    """pyarrow's own text wrapped the reason in "Error creating dataset ... Is this a 'csv' file?"."""
+    (tmp_path / "fields.csv").write_text('id,text,system_prompt\n1,"two\nlines",S\n2,b\n')
+    (tmp_path / "latin1.csv").write_bytes("id,text,system_prompt\n1,a,S\n2,café,S\n".encode("latin-1"))
+    job = make_job()
+    out = invoke("validate", "--set", "input.path=fields.csv", job)
+    assert out.exit_code == 3 and out.output == (f"Error: {tmp_path / 'fields.csv'}: row 3 has 2 fields where the "
+                                                 "header has 3 (the header is row 1): '2,b'\n"), out.output
+    out = invoke("run", "--engine", "fake", "--set", "input.path=latin1.csv", job)
+    assert out.exit_code == 3 and out.output == (f"Error: {tmp_path / 'latin1.csv'}: row 3, field 2, holds bytes that "
+                                                 "are not UTF-8 text (the header is row 1; save the file as UTF-8)\n")
+    assert not (tmp_path / "out" / "results.sqlite").exists()
+
+
 def test_a_csv_cut_off_inside_a_quoted_field_is_refused_before_anything_is_stored(make_job, tmp_path):
     """pyarrow reads a quote left open at the end of the file as closed there: the last row would be
     stored ok with its text cut short. A quote inside an unquoted cell (5" screen) is text, and so is
@@ -130,7 +144,8 @@ def test_validate_renders_a_prompt_so_a_broken_chat_template_is_found_before_the
     job = make_job()
     for command in (["validate"], ["run", "--engine", "fake"]):  # cron may run `run` alone: it stops too
         result = invoke(*command, "--set", "prompts.chat_template=broken.jinja", job)
-        assert result.exit_code == 2 and result.output.startswith("Error: chat template: TemplateSyntaxError")
+        assert result.exit_code == 2 and result.output == (
+            f"Error: {job}: prompts.chat_template (broken.jinja): line 1: TemplateSyntaxError: unexpected '}}'\n")
     assert not (tmp_path / "out" / "results.sqlite").exists()  # no run recorded, no row stored failed
     result = invoke("validate", "--set", "prompts.chat_template_kwargs.add_generation_prompt=false", make_job())
     assert result.exit_code == 2 and "prompts.chat_template_kwargs.add_generation_prompt: set by the runner" in result.output

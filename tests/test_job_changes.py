@@ -96,6 +96,47 @@ def test_changed_sampling_names_the_field_and_a_new_row_runs_alone(make_job, tmp
     assert stats == [(5, 0), (5, 5)]
 
 
+def test_switching_on_too_long_runs_again_only_the_rows_it_applies_to(make_job, tmp_path):
+    """Our own message tells a user whose long rows failed to set input.on_too_long: truncate; that
+    ran every stored row again (hours of a nightly job) where only the long rows can change."""
+    from tests.conftest import write_docs
+
+    docs = write_docs(tmp_path / "data" / "long.parquet", 6)
+    t = pq.read_table(docs).to_pydict()
+    t["text"][4] = "word " * 3000  # longer than max_model_len=1024
+    pq.write_table(pa.table(t), docs)
+    job = make_job(docs=docs)
+    db = tmp_path / "out" / "results.sqlite"
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    assert [r for r in rows(db, "row_id", "status") if r[1] != "ok"] == [("r004", "failed")]
+    made = dict(rows(db, "row_id", "created_at_utc"))
+
+    edit(job, lambda s: s["input"].update(on_too_long="truncate"))
+    assert invoke("status", job).output.splitlines()[-1] == (
+        "next run: 1 of 6 input rows to run (1 stored by another version)")
+    out = invoke("run", "--engine", "fake", job)
+    assert out.exit_code == 0 and "running 1 stored row again" in out.output, out.output
+    assert "changed: on_too_long" in out.output
+    after = {r[0]: r[1:] for r in rows(db, "row_id", "status", "document_tokens_cut", "created_at_utc", "fingerprint")}
+    assert after["r004"][0] == "ok" and after["r004"][1] > 0
+    assert all(after[r][2] == made[r] for r in made if r != "r004")  # not run again
+    assert len({a[3] for a in after.values()}) == 1  # every row is the job's current version
+    assert count(db, "results_history") == 1
+    kept = "input.on_too_long changed: 5 stored rows that it does not change kept (neither cut nor too long)"
+    assert kept in out.output
+    assert kept in json.loads(sqlite3.connect(db).execute(
+        "SELECT engine_choice_json FROM run_stats ORDER BY run_id DESC").fetchone()[0])["notes"]
+
+    edit(job, lambda s: s["input"].update(on_too_long="fail"))  # back: the cut row fails again, alone
+    out = invoke("run", "--engine", "fake", job)
+    assert out.exit_code == 0 and "running 1 stored row again" in out.output, out.output
+    assert dict(rows(db, "row_id", "status"))["r004"] == "failed"
+    # anything else changed with it: every row runs again
+    edit(job, lambda s: s["input"].update(on_too_long="truncate") or s["sampling"].update(max_tokens=32))
+    out = invoke("run", "--engine", "fake", job)
+    assert "running 6 stored rows again" in out.output, out.output
+
+
 def test_retry_failed_runs_only_rows_that_are_not_ok(make_job, tmp_path):
     job = load_job(make_job(rows=8))
     bad = {"r001", "r004"}

@@ -44,6 +44,14 @@ def test_real_sample_job_is_valid():
      "job.yaml: input.id_colum: unknown key; did you mean id_column? (and 1 more)"),
     (lambda s: s["input"].pop("text_column"), "job.yaml: input.text_column: Field required"),
     (lambda s: s["sampling"].update(max_tokens="lots"), "job.yaml: sampling.max_tokens: Input should be a valid integer"),
+    (lambda s: s["sampling"].update(max_tokens="lots"), "unable to parse string as an integer (given 'lots')"),
+    # YAML 1.1 (PyYAML) reads 1e9 as a string: the message says so and what to write
+    (lambda s: s["output"].update(commit_every_rows="1e9"), "job.yaml: output.commit_every_rows: Input should be a valid "
+     "integer, unable to parse string as an integer (given the text '1e9': YAML reads this form of a number as "
+     "text; write 1000000000)"),
+    (lambda s: s["output"].update(commit_every_rows=1.5), "got a number with a fractional part (given 1.5)"),
+    (lambda s: s["input"].update(extra_columns=["title", "source", "title"]),
+     "job.yaml: input.extra_columns: Value error, 'title' listed more than once"),
     (lambda s: s["sampling"].update(temperature=-1), "job.yaml: sampling.temperature: Input should be greater than or equal to 0"),
     (lambda s: s.update(name="has space"), "job.yaml: name: String should match pattern"),
     (lambda s: s["engine"].update(max_num_seq=4), "job.yaml: engine.max_num_seq: unknown key"),
