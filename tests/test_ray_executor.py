@@ -360,3 +360,56 @@ def test_the_drivers_bytecode_decision_is_recorded_beside_the_replicas(make_job,
         assert engine["driver_bytecode_cache"]["pruned"] == ["/c/pycache/old"]
     else:
         assert "driver_bytecode_cache" not in engine
+
+
+@pytest.mark.parametrize("ray_cfg, expected", [
+    ({"replicas": 2, "gpus_per_replica": 1}, "ray.replicas: 2 x ray.gpus_per_replica 1 = 2 GPUs, but this machine's "
+                                             "Ray cluster has 0 (set ray.gpus_per_replica: 0 for replicas on the CPU"),
+    ({"replicas": 1, "gpus_per_replica": 0, "cpus_per_replica": 3, "local_num_cpus": 2},
+     "ray.replicas: 1 x ray.cpus_per_replica 3 = 3 CPUs, but this machine's Ray cluster has 2 (raise ray.local_num_cpus"),
+])
+def test_replicas_a_local_cluster_cannot_place_stop_the_run_instead_of_waiting_for_ever(make_job, ray_cfg, expected):
+    """Ray keeps an actor that asks for a GPU the machine lacks pending: the run waited without a
+    word (and, blocked in ray.get, ignored SIGTERM)."""
+    import shutil as _shutil
+
+    if ray_cfg.get("gpus_per_replica") and _shutil.which("nvidia-smi"):
+        pytest.skip("this machine may have GPUs")
+    job = make_job(rows=6, job={"ray": ray_cfg})
+    short = Path(tempfile.mkdtemp(dir="/tmp"))  # Ray's socket paths must fit 107 bytes
+    try:
+        rc, out, err = run_bounded(["run", "--engine", "fake", "--executor", "ray", "--quiet", job], timeout_s=300,
+                                   tmpdir=short)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    lines = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert rc == 5 and len(lines) == 1 and lines[0].startswith(f"Error: {expected}"), err[-2000:]
+
+
+def test_a_wait_for_a_replica_is_cut_into_polls_so_a_signal_ends_it():
+    """A ray.get blocked in Ray's C++ core runs no Python signal handler: SIGTERM did not stop a
+    run waiting for a replica. Every wait is bounded, and the call's value still comes back."""
+    import types
+
+    from runner.engines.ray import RayCluster
+
+    class Timeout(Exception):
+        pass
+
+    timeouts = []
+
+    def get(call, timeout=None):
+        timeouts.append(timeout)
+        if len(timeouts) < 3:
+            raise Timeout()
+        return call * 2
+
+    def wait(calls, num_returns=1, timeout=None):
+        timeouts.append(timeout)
+        return (calls[:1], calls[1:]) if len(timeouts) > 5 else ([], calls)
+
+    cluster = object.__new__(RayCluster)
+    cluster.ray = types.SimpleNamespace(get=get, wait=wait, exceptions=types.SimpleNamespace(GetTimeoutError=Timeout))
+    assert cluster.get(21) == 42
+    assert cluster.wait(["a", "b"]) == ["a"]
+    assert len(timeouts) == 6 and all(t is not None and 0 < t <= 1 for t in timeouts)

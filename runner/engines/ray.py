@@ -137,23 +137,48 @@ class GroupRouter:
 class RayCluster:
     """Replicas as Ray actors: one GPU (`ray.gpus_per_replica`) and CPUs each."""
 
+    POLL_S = 1.0  # a blocked ray.get runs no signal handler: waits are cut into polls, SIGTERM seen between
+
     def __init__(self, job):
         self.ray = ensure_ray(job)
         self.cfg = job.spec.ray
+        self.local = not (self.cfg.address or os.environ.get("RAY_ADDRESS"))  # a cluster this run started
 
     def start(self, factory: Callable, job, n: int) -> list:
+        if self.local:
+            self._check_room(n)
         actor = self.ray.remote(EngineReplica).options(num_gpus=self.cfg.gpus_per_replica,
                                                        num_cpus=self.cfg.cpus_per_replica)
         return [actor.remote(factory, job, True) for _ in range(n)]
+
+    def _check_room(self, n: int) -> None:
+        """EngineError where a local cluster cannot place the replicas: Ray would keep them pending,
+        and the run would wait for ever without a word. (A remote cluster may be scaling up.)"""
+        have = self.ray.cluster_resources()
+        for name, each, hint in (("GPU", self.cfg.gpus_per_replica, "set ray.gpus_per_replica: 0 for replicas on "
+                                  "the CPU, or fewer ray.replicas"),
+                                 ("CPU", self.cfg.cpus_per_replica, "raise ray.local_num_cpus, or lower "
+                                  "ray.cpus_per_replica")):
+            need = n * each
+            if need > have.get(name, 0) + 1e-9:
+                raise EngineError(f"ray.replicas: {n} x ray.{name.lower()}s_per_replica {each:g} = {need:g} {name}s, "
+                                  f"but this machine's Ray cluster has {have.get(name, 0):g} ({hint})")
 
     def call(self, replica, method: str, *args):
         return getattr(replica, method).remote(*args)
 
     def wait(self, calls: list) -> list:
-        return self.ray.wait(calls, num_returns=1)[0]
+        while True:
+            ready, _ = self.ray.wait(calls, num_returns=1, timeout=self.POLL_S)
+            if ready:
+                return ready
 
     def get(self, call):
-        return self.ray.get(call)
+        while True:
+            try:
+                return self.ray.get(call, timeout=self.POLL_S)
+            except self.ray.exceptions.GetTimeoutError:
+                continue
 
     def close(self, replicas: list) -> None:
         """Shut every replica's engine down at once (each takes seconds), then kill the actors."""
