@@ -105,8 +105,12 @@ def plan(job, overrides):
             raise
         # the builtin model, not prepared yet: estimated from the characters
         builder = CharEstimate(spec.spec.prompts.user_template, [e.model_dump() for e in spec.spec.prompts.examples])
+    mml, max_tokens = spec.engine.max_model_len, spec.spec.sampling.max_tokens
+    # whether a cut of the document makes a too-long row fit: as a run decides it (the template's tokens too)
+    fits = None if isinstance(builder, CharEstimate) else (
+        lambda system, doc, ids: builder.fit(system, doc, ids, mml, max_tokens, True)[1] is None)
     p = summarize_plan(reader.documents(spec.system_source, scan.skip), builder, spec.block_tokens,
-                       prompt_room=spec.engine.max_model_len - spec.spec.sampling.max_tokens)
+                       prompt_room=mml - max_tokens, fits=fits)
     say(f"{'group':<12}  {'rows':>7}  {'prompt tok':>11}  {'system tok':>10}  {'cacheable':>9}  system prompt")
     for g in p.groups:
         share = g.cacheable_tokens / g.prompt_tokens if g.prompt_tokens else 0
@@ -120,9 +124,11 @@ def plan(job, overrides):
         say(f"{'' if p.tokens_exact else '~'}{plural(p.rows_too_long, 'row')} with a prompt over "
             f"{p.prompt_room:,} tokens: with max_tokens {spec.spec.sampling.max_tokens:,} longer than max_model_len "
             f"{spec.engine.max_model_len:,} (input.on_too_long: {spec.spec.input.on_too_long}: a run {what})")
-        beyond = sum(g.rows for g in p.groups if g.prefix_tokens > p.prompt_room)
-        if beyond:  # no cut of the document saves these: their system prompt alone is over
-            say(f"{'' if p.tokens_exact else '~'}{plural(beyond, 'row')} of them under a system prompt of more than "
-                f"{p.prompt_room:,} tokens by itself: no cut of the document makes those fit (a run stores them as failed)")
+        # no cut of the document saves these: the prompt's other parts alone are over (estimated: the system prompt)
+        beyond = p.rows_uncuttable if fits else sum(g.rows for g in p.groups if g.prefix_tokens > p.prompt_room)
+        if beyond:
+            say(f"{'' if p.tokens_exact else '~'}{plural(beyond, 'row')} of them with a prompt over {p.prompt_room:,} "
+                "tokens without the document (system prompt, few-shot turns, template): no cut of the document makes "
+                "those fit (a run stores them as failed)")
     say(f"shared-prefix share of prompt tokens (prefix-cache bound, {p.block_tokens}-token blocks): "
         f"{'' if p.tokens_exact else '~'}{100 * p.prefix_share:.1f}%{exact}")

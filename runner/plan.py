@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import string
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from runner.prompting import Document, PromptBuilder, render_user
 
@@ -140,6 +140,7 @@ class PlanSummary:
     rows_without_prompt: int = 0  # rows whose user template fails on their values
     prompt_room: Optional[int] = None  # max_model_len - max_tokens: the longest prompt a row may have
     rows_too_long: int = 0  # rows whose prompt is longer (on_too_long: fail stores them failed)
+    rows_uncuttable: int = 0  # of those, rows no cut of the document makes fit (counted with a `fits`)
 
     @property
     def rows(self) -> int:
@@ -185,10 +186,11 @@ class CharEstimate:
 
 def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder | CharEstimate],
                    block_tokens: int = DEFAULT_BLOCK_TOKENS, batch: int = 512,
-                   prompt_room: Optional[int] = None) -> PlanSummary:
+                   prompt_room: Optional[int] = None, fits: Optional[Callable] = None) -> PlanSummary:
     """Count rows and prompt tokens per group over the whole input (one group record per prompt):
     with the model's tokenizer, or estimated (a CharEstimate, or None for one of the text alone);
-    with prompt_room, the rows whose prompt is longer."""
+    with prompt_room, the rows whose prompt is longer; with fits(system, doc, ids) (whether a cut
+    of the document makes a row fit, as a run decides it), how many of those no cut saves."""
     builder = CharEstimate() if builder is None else builder
     summary = PlanSummary([], tokens_exact=not isinstance(builder, CharEstimate), block_tokens=block_tokens,
                           prompt_room=prompt_room)
@@ -198,15 +200,15 @@ def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder | C
     for doc in docs:
         pending.append(doc)
         if len(pending) >= batch:
-            _count(pending, builder, groups, bound, summary)
+            _count(pending, builder, groups, bound, summary, fits)
             pending = []
-    _count(pending, builder, groups, bound, summary)
+    _count(pending, builder, groups, bound, summary, fits)
     summary.groups = list(groups.values())
     return summary
 
 
 def _count(docs: list[Document], builder: PromptBuilder | CharEstimate, groups: dict[str, GroupSummary],
-           bound: PrefixCacheBound, summary: "PlanSummary") -> None:
+           bound: PrefixCacheBound, summary: "PlanSummary", fits: Optional[Callable] = None) -> None:
     """Tokenize a batch, a system prompt at a time (in parallel in the tokenizer), and count it."""
     by_prompt: dict[Optional[str], list[Document]] = {}
     for d in docs:
@@ -220,18 +222,21 @@ def _count(docs: list[Document], builder: PromptBuilder | CharEstimate, groups: 
         if isinstance(builder, CharEstimate):
             _estimate(rows, system, g, builder, bound.block_tokens, summary)
             continue
-        texts = []
+        built, texts = [], []
         for d in rows:
             if summary.prompt_room is not None:  # a huge row: too long either way, counted as such
                 d = builder.capped(d, max(summary.prompt_room, 1))
             try:
                 texts.append(builder.user_text(d))
+                built.append(d)
             except (KeyError, ValueError, TypeError, IndexError, AttributeError):
                 summary.rows_without_prompt += 1  # a run stores such a row as failed
-        for ids in builder.prompt_ids_batch(system, texts):
+        for d, ids in zip(built, builder.prompt_ids_batch(system, texts)):
             g.rows += 1
             g.prompt_tokens += len(ids)
-            summary.rows_too_long += summary.prompt_room is not None and len(ids) > summary.prompt_room
+            if summary.prompt_room is not None and len(ids) > summary.prompt_room:
+                summary.rows_too_long += 1
+                summary.rows_uncuttable += fits is not None and not fits(system, d, ids)
             g.cacheable_tokens += bound.add(ids, head=(key, builder.head_tokens(system)))
 
 

@@ -216,3 +216,29 @@ def test_plan_counts_the_rows_a_run_would_store_failed_as_too_long(invoke, make_
     assert int(beyond.split()[0]) == planned
     errors = [e for (e,) in con.execute("SELECT error FROM results WHERE status = 'failed'")]
     assert errors and all("do not fit even with the document cut" in e and "truncate" not in e for e in errors)
+
+
+def test_plan_counts_the_rows_no_cut_saves_as_a_truncating_run_does(invoke, make_job, tmp_path):
+    """plan counted only groups whose system prompt alone was over the room; the chat template's
+    and the user template's tokens count too (a run stored 125 rows failed where plan said 75)."""
+    from runner.prompting import Document, builder_for
+    from runner.spec import load_job
+    from tests.conftest import SYSTEM_A
+
+    job = make_job(rows=12)
+    b = builder_for(load_job(job))
+    system = b.system_prefix_tokens(SYSTEM_A)
+    bare = len(b.prompt_ids(SYSTEM_A, b.user_text(Document("x", "", SYSTEM_A, {}))))
+    assert bare > system + 2  # the room below lies between: the system prompt fits, the bare prompt does not
+    room = (system + bare) // 2
+    tight = ("--set", f"sampling.max_tokens={1024 - room}", "--set", "input.on_too_long=truncate")
+    out = invoke("plan", *tight, job)
+    assert out.exit_code == 0, out.output
+    line = next(l for l in out.output.splitlines() if "no cut of the document makes those fit" in l)
+    assert invoke("run", "--engine", "fake", "--quiet", *tight, job).exit_code in (0, 65)
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    failed = con.execute("SELECT count(*) FROM results WHERE status = 'failed'").fetchone()[0]
+    assert int(line.split()[0]) == failed > 0
+    # SYSTEM_A's 6 rows fail, its system prompt alone within the room: the old count left them out
+    assert con.execute("SELECT count(*) FROM results r WHERE status = 'failed' AND error LIKE '%do not fit even%' "
+                       "AND row_id IN ('r000', 'r001', 'r002', 'r006', 'r007', 'r008')").fetchone()[0] == 6
