@@ -9,7 +9,7 @@ import click
 
 from runner.cli import cli, reports_errors
 from runner.cli_output import say, stats_table, warn
-from runner.summary import fmt, plural
+from runner.summary import fmt, plural, process_gone, run_status
 
 
 def _open_store(job, db, overrides=()):
@@ -121,8 +121,7 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
     shown = []  # printed once the read is known whole (check_unchanged)
     for r in runs:
         s = store.stats(r["id"]) or _killed_run_stats(r)
-        status = r["status"] + (f" (its process {r['pid']} is gone: killed; the next run marks it interrupted)"
-                                if _process_gone(r) else "")
+        status = run_status(r)
         shown.append(f"run {r['id']}  {r['job_name']}  {status}  started {r['started_at_utc']}")
         counts, gone = store.result_counts(r["id"])
         shown.append(stats_table(s, counts, [
@@ -179,19 +178,7 @@ def _run_json(store, r: dict) -> dict:
              for k, v in (store.stats(r["id"]) or _killed_run_stats(r)).items()}
     counts, gone = store.result_counts(r["id"])
     return {"run": run, "stats": stats, "rows_by_status": counts, "rows_not_stored": gone,
-            "process_gone": _process_gone(r)}
-
-
-def _process_gone(r: dict):
-    """For a run still marked running: whether its process has ended without finishing it (killed;
-    the next run of the job marks it interrupted). None for a run that ended, or ran on another host."""
-    import socket
-
-    from runner.lock import process_alive
-
-    if r["status"] != "running" or not r.get("pid") or r.get("host") != socket.gethostname():
-        return None
-    return not process_alive(r["pid"])
+            "process_gone": process_gone(r)}
 
 
 @cli.command()
@@ -262,5 +249,7 @@ def export(run_id, job, db, overrides, fmt_, output):
     to_stdout = output == "-"
     n = export_run(store, run_id, fmt_, target, None if run_id is not None else job_name)
     (warn if to_stdout else say)(f"Exported {plural(n, 'row')} to {'stdout' if to_stdout else output}")
-    if run_id is not None and (gone := store.result_counts(run_id)[1]):
+    # against the rows written, read in one snapshot: a prune while it ran would make a second read differ
+    stats = store.stats(run_id) if run_id is not None else None
+    if stats and (gone := stats["rows_total"] - n) > 0:
         warn(f"Note: run {run_id} stored {plural(gone, 'more row')} than are kept now (replaced, then deleted)")

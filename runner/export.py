@@ -193,7 +193,7 @@ def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Pat
         if check is not None:  # written already: the exit code says what it holds
             check()
         return
-    part = target.with_name(f".{target.name}.part")
+    part = target.with_name(f".{target.name}.{os.getpid()}.part")  # two writers of one file: a part each
     try:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -201,6 +201,8 @@ def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Pat
             raise OutputFileError(f"{path}: cannot write: {_file_in_the_way(target.parent)} is a file, "
                                   "not a folder") from None
         write(part)
+        if mode is not None:  # the file replaced keeps its permissions (a 0600 export stays private)
+            os.chmod(part, stat.S_IMODE(mode))
         if check is not None:
             check()
         os.replace(part, target)

@@ -10,7 +10,7 @@ from typing import Sequence
 from runner.engines import describe_settings
 from runner.errors import NotFound
 from runner.rows import Status
-from runner.summary import stats_lines
+from runner.summary import run_status, stats_lines
 from runner.store import Store
 
 SECTIONS = ("summary", "throughput", "prefix-cache", "status", "tokens", "slowest-groups")
@@ -110,7 +110,7 @@ def render_report(store: Store, run_id: int) -> str:
 def _summary(run: dict, stats: dict, statuses: dict[str, int], gone: int) -> str:
     settings = json.loads(run["engine_settings_json"] or "{}")
     summary = [
-        ("job", run["job_name"]), ("status", run["status"]), ("started (UTC)", run["started_at_utc"]),
+        ("job", run["job_name"]), ("status", run_status(run)), ("started (UTC)", run["started_at_utc"]),
         ("ended (UTC)", run["ended_at_utc"] or "-"),
         *stats_lines(stats, statuses),
         *([("rows no longer stored", f"{gone:,} (replaced, then deleted): counted in rows by status, "

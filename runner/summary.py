@@ -53,3 +53,21 @@ def stats_lines(s: dict, statuses: dict[str, int]) -> list[tuple[str, str]]:
         ("wall / generation s", f"{fmt(s.get('wall_s'), 1)} / {fmt(s.get('generation_s'), 1)}"
          + (" (wall to its last stored row: killed, no stats stored)" if s.get("wall_to_last_row") else "")),
     ]
+
+
+def process_gone(run: dict) -> Optional[bool]:
+    """For a run still marked running: whether its process has ended without finishing it (killed;
+    the next run of the job marks it interrupted). None for a run that ended, or ran on another host."""
+    import socket
+
+    from runner.lock import process_alive
+
+    if run["status"] != "running" or not run.get("pid") or run.get("host") != socket.gethostname():
+        return None
+    return not process_alive(run["pid"])
+
+
+def run_status(run: dict) -> str:
+    """A run's status as stats and reports show it: a killed run still marked running says so."""
+    gone = f" (its process {run.get('pid')} is gone: killed; the next run marks it interrupted)"
+    return run["status"] + (gone if process_gone(run) else "")

@@ -249,3 +249,40 @@ def test_a_folder_as_the_output_is_one_error_line_and_the_format_is_read_in_any_
     assert out.exit_code == 0 and out.stdout.startswith('"row_id",'), out.output
     out = invoke("stats", "--job", job, "--set", "name=other")  # a misspelt name: said as such
     assert out.exit_code == 7 and out.output.strip().endswith("no runs of other"), out.output
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_an_export_over_a_private_file_keeps_it_private(db, tmp_path, fmt):
+    """The new file was renamed over the old one with the umask's mode: a 0600 export became
+    world-readable every night."""
+    import os
+    import stat
+
+    target = tmp_path / f"private.{fmt}"
+    target.write_text("old")
+    target.chmod(0o600)
+    out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "-o", str(target)])
+    assert out.exit_code == 0, out.output
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o600 and target.read_bytes() != b"old"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
+
+
+def test_a_prune_during_an_export_does_not_call_the_rows_written_missing(db, tmp_path, monkeypatch):
+    """The note counted the run's rows again after the export's snapshot: a prune in between made
+    a complete export say that every row was gone."""
+    import sqlite3
+
+    real = export.export_run
+
+    def export_then_prune(store, *args, **kw):
+        n = real(store, *args, **kw)
+        con = sqlite3.connect(db)
+        with con:  # the run's rows, replaced and deleted once the export had read them
+            con.execute("DELETE FROM results WHERE run_id = 1")
+        con.close()
+        return n
+
+    monkeypatch.setattr(export, "export_run", export_then_prune)
+    out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "-o", str(tmp_path / "all.jsonl")])
+    assert out.exit_code == 0 and "Note:" not in out.output, out.output
+    assert len((tmp_path / "all.jsonl").read_text().splitlines()) > 0

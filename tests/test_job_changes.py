@@ -474,6 +474,8 @@ def test_stats_tells_a_run_whose_process_was_killed_from_one_under_way(make_job,
         assert shown[0]["process_gone"] is gone and shown[0]["run"]["status"] == "running"
         line = invoke("stats", "--job", job).output.splitlines()[0]
         assert (f"running (its process {pid} is gone: killed; the next run marks it interrupted)" in line) is gone
+        report = CliRunner().invoke(cli, ["report", "1", "--job", str(job)]).stdout  # the report says the same
+        assert ("<th>status</th><td>running (its process" in report) is gone and "<th>status</th><td>running" in report
     assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
     con = sqlite3.connect(db)
     con.execute("UPDATE runs SET status = 'completed'")
