@@ -4,6 +4,7 @@ input-reading thread asks on a connection of its own; and, without opening it, w
 database a job names could be made and written where it is."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import time
@@ -272,8 +273,8 @@ def _writable_or_makeable(path: Path) -> bool:
 
 def unwritable_reason(path: Path) -> Optional[str]:
     """Why a run could not make, write or open the database at path (None: it could), found without
-    writing: the file, or the nearest folder that exists above it, must be writable, and a file
-    there must be a SQLite database."""
+    writing (root excepted: see _can_write_in): the file, or the nearest folder that exists above
+    it, must be writable, and a file there must be a SQLite database."""
     if path.exists():
         if not (path.is_file() and os.access(path, os.R_OK | os.W_OK)):
             return "cannot be written: not a writable file"
@@ -284,14 +285,33 @@ def unwritable_reason(path: Path) -> Optional[str]:
         foreign = _foreign_tables(path)
         if foreign:
             return f"the file there is another program's SQLite database (tables: {', '.join(foreign[:5])})"
-        if not os.access(path.parent, os.W_OK | os.X_OK):  # a run writes beside the file too
+        if not _can_write_in(path.parent):  # a run writes beside the file too
             return (f"cannot be written: {path.parent} is not a folder this user can write in (a run keeps the "
                     "database's write-ahead log, its lock and its engine log beside it)")
         return None
     folder = nearest_existing(path)
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+    if not folder.is_dir() or not _can_write_in(folder):
         return f"cannot be written: {folder} is not a folder this user can write in"
     return None
+
+
+def _can_write_in(folder: Path) -> bool:
+    """Whether a file can be made in folder. os.access says yes to root everywhere, /sys and /proc
+    too: there an empty file is made and removed to know."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    if os.geteuid() != 0:
+        return True
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".runner-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return True
 
 
 def named(path: Path, exc: StoreError) -> StoreError:

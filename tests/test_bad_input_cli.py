@@ -303,3 +303,16 @@ def test_validate_refuses_a_writable_database_in_a_folder_this_user_cannot_write
     finally:
         out.chmod(0o700)
     assert result.exit_code == 6 and f"{out} is not a folder this user can write in" in result.output, result.output
+
+
+def test_validate_refuses_a_database_on_a_filesystem_even_root_cannot_write(make_job):
+    """os.access says yes to root everywhere: validate said OK for /sys/x.sqlite, and the run then
+    stopped at the engine log beside it."""
+    if os.getuid() != 0 or not os.path.isdir("/sys/kernel"):
+        pytest.skip("needs root and sysfs")
+    job = make_job(rows=3)
+    for command in (["validate"], ["run", "--engine", "fake", "--quiet"]):
+        result = CliRunner().invoke(cli, [*command, "--set", "output.database=/sys/x.sqlite", str(job)])
+        assert result.exit_code == 6 and result.output == (
+            "Error: /sys/x.sqlite: output.database: cannot be written: /sys is not a folder this user can write "
+            "in\n"), result.output
