@@ -31,6 +31,7 @@ def status(job, overrides):
     from runner.errors import NotFound, SpecError
     from runner.fingerprint import changed_parts, result_fingerprint
     from runner.lock import holder
+    from runner.resume import renamed_from
     from runner.spec import job_results, load_job
 
     try:
@@ -72,6 +73,8 @@ def status(job, overrides):
     if rows:
         say(table(rows))
     say(f"earlier results kept in results_history: {history['history_rows']:,}")
+    if not groups and spec is not None and (renamed := renamed_from(store, spec, current)):
+        say(f"Note: {renamed}")
     say(next_run(store))
     store.check_unchanged()
     if unloaded is not None:

@@ -59,10 +59,23 @@ def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool, coun
             reasons.update(changed_parts(known[fp], components))
     work = Work(fingerprint, scan.rows - skipped, skipped, redone, sorted(reasons),
                 store.done_filter(job.name, fingerprint, ok_only=retry_failed), skip=scan.skip)
+    if counted is None and not counts.stored and (renamed := renamed_from(store, job, fingerprint)):
+        work.notes.append(renamed)
     if kept:
         work.notes.append(f"input.on_too_long changed: {plural(kept, 'stored row')} that it does not change kept "
                           "(neither cut nor too long)")
     return work
+
+
+def renamed_from(store: Store, job: Job, fingerprint: str) -> Optional[str]:
+    """A note where no row of the job is stored but another job's rows were made exactly as this one
+    makes them: rows are kept per job name, so a renamed job runs them all again."""
+    others = store.same_rows_elsewhere(job.name, fingerprint)
+    if not others:
+        return None
+    name, rows = others[0]
+    return (f"no row of job {job.name} is stored, but {plural(rows, 'row')} of job {name} in {job.database_path} were "
+            f"made exactly as this job makes them (renamed?): they are not reused; set `name: {name}` to resume them")
 
 
 # A document cut to fit leaves its prompt within a few tokens of the room (fit()'s 8 tokens of

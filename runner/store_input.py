@@ -33,6 +33,14 @@ class InputRecords:
              "GROUP BY r.status")
         return dict(self._with_input_ids(ids_file, q, (job_name,)))
 
+    def same_rows_elsewhere(self, job_name: str, fingerprint: str) -> list[tuple[str, int]]:
+        """(job name, rows) of the other jobs in this database whose rows were made by a job exactly
+        like this one (the same fingerprint): a job renamed, most rows first."""
+        with self.engine.connect() as conn:
+            return [tuple(r) for r in conn.exec_driver_sql(
+                "SELECT job_name, count(*) AS n FROM results WHERE fingerprint = ? AND job_name != ? "
+                "GROUP BY job_name ORDER BY n DESC, job_name", (fingerprint, job_name))]
+
     def _with_input_ids(self, ids_file: Path, query: str, params: tuple) -> list[tuple]:
         # A connection of its own: the ATTACH must not outlive the query in SQLAlchemy's pool.
         con = sqlite3.connect(read_uri(self.path) if self.read_only else str(self.path), uri=self.read_only,

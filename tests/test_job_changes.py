@@ -653,3 +653,19 @@ def test_the_kernels_lock_table_is_read_for_flock_holders_only(tmp_path):
                      "3: OFDLCK ADVISORY  READ  -1 00:2a:9 0 EOF\n")
     assert flock_holders(str(table)) == ({4242}, {(0xfe, 1, 123)})
     assert flock_holders(str(tmp_path / "none")) is None
+
+
+def test_a_renamed_job_is_told_where_its_rows_are(make_job, tmp_path):
+    """Rows are kept per job name: a job renamed in its file ran every row again with no word of the
+    rows its old name holds in the same database."""
+    job = make_job(rows=4)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    edit(job, lambda s: s.update(name="renamed"))
+    note = (f"no row of job renamed is stored, but 4 rows of job t in {tmp_path / 'out' / 'results.sqlite'} were made "
+            "exactly as this job makes them (renamed?): they are not reused; set `name: t` to resume them")
+    assert f"Note: {note}" in invoke("status", job).output.splitlines()
+    out = invoke("run", "--engine", "fake", job)
+    assert out.exit_code == 0 and note in out.output and "4 run" in out.output, out.output
+    assert "renamed?" not in invoke("run", "--engine", "fake", job).output  # its own rows now
+    edit(job, lambda s: s["sampling"].update(max_tokens=32) or s.update(name="other"))  # made differently: no note
+    assert "renamed?" not in invoke("status", job).output
