@@ -161,8 +161,9 @@ class RayCluster:
                                   "ray.cpus_per_replica")):
             need = n * each
             if need > have.get(name, 0) + 1e-9:
-                raise EngineError(f"ray.replicas: {n} x ray.{name.lower()}s_per_replica {each:g} = {need:g} {name}s, "
-                                  f"but this machine's Ray cluster has {have.get(name, 0):g} ({hint})")
+                raise EngineError(f"ray.replicas: {n} x ray.{name.lower()}s_per_replica {each:g} = {need:g} "
+                                  f"{name}{'' if need == 1 else 's'}, but this machine's Ray cluster has "
+                                  f"{have.get(name, 0):g} ({hint})")
 
     def call(self, replica, method: str, *args):
         return getattr(replica, method).remote(*args)
