@@ -27,7 +27,7 @@ EXTENSIONS = {"parquet": (".parquet", ".pq"), "jsonl": (".jsonl", ".ndjson", ".j
               "openai-batch": (".jsonl",)}
 # Text formats compressed as a whole file (docs.jsonl.gz): pyarrow reads these codecs by the ending.
 COMPRESSED = (".gz", ".bz2")
-_COMPRESSIBLE = ("jsonl", "csv")
+_COMPRESSIBLE = ("jsonl", "csv", "openai-batch")
 
 
 def _endings(fmt: str) -> tuple[str, ...]:

@@ -362,3 +362,37 @@ def test_every_command_that_prints_says_so_in_one_line_when_standard_output_is_f
             proc = subprocess.run(runner_cmd(*args), stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
         assert proc.returncode == 6, (args, proc.stderr)
         assert proc.stderr == "Error: standard output: cannot write: No space left on device\n", (args, proc.stderr)
+
+
+def test_openai_batch_lines_keep_every_instruction_refuse_conversations_and_may_be_compressed(make_job, tmp_path):
+    """Only the last system message reached the model, and a conversation's earlier turns were
+    dropped without a word; a null custom_id stopped a run that stores bad rows; .gz was not read."""
+    import gzip
+
+    from runner.openai_batch import batches
+
+    def line(cid, *messages):
+        return json.dumps({"custom_id": cid, "body": {"messages": [{"role": r, "content": c} for r, c in messages]}}) + "\n"
+
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress((
+        line("a", ("system", "MAIN"), ("developer", "Also: be terse"), ("user", "hello")) +
+        line(None, ("user", "no id"))).encode()))
+    assert [r for b in batches(str(tmp_path / "b.jsonl.gz"), 10) for r in b.to_pylist()] == [
+        {"custom_id": "a", "system": "MAIN\n\nAlso: be terse", "user": "hello"},
+        {"custom_id": None, "system": "", "user": "no id"}]
+    args = ["--set", "input.format=openai-batch", "--set", "input.id_column=custom_id",
+            "--set", "input.text_column=user", "--set", "input.system_prompt_column=system"]
+    job = make_job()
+    out = invoke("run", "--engine", "fake", "--quiet", "--set", "input.path=b.jsonl.gz", "--set",
+                 "input.on_bad_row=store", *args, job)
+    assert out.exit_code == 0, out.output
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT row_id, status FROM results").fetchall() == [("a", "ok")]
+    assert con.execute("SELECT count(*) FROM rejected_rows").fetchone()[0] == 1
+
+    (tmp_path / "chat.jsonl").write_text(line("c", ("system", "S"), ("user", "example"), ("assistant", "{}"),
+                                              ("user", "the real one")))
+    out = invoke("validate", "--set", "input.path=chat.jsonl", *args, job)
+    assert out.exit_code == 3 and out.output == (
+        f"Error: {tmp_path / 'chat.jsonl'}: line 1: a conversation of several turns (user, assistant, user): a row is "
+        "one system prompt and one user message (few-shot turns go in the job's prompts.examples)\n"), out.output
