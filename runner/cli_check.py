@@ -49,25 +49,13 @@ def validate(job, overrides):
 def _check_prompt(spec, reader, scan) -> None:
     """Build the first row's prompt: a missing tokenizer, or a chat template that does not compile
     or render, stops `validate` here, not a night's run."""
-    from runner.prompting import builder_for
+    from runner.prompting import builder_for, check_first_prompt
 
-    builder = builder_for(spec)
-    doc = next(iter(reader.documents(spec.system_source, scan.skip)), None)
-    if doc is None or doc.problem:
-        return
-    doc = builder.capped(doc, spec.engine.max_model_len)  # a huge first row: no gigabytes to tokenize it
-    try:
-        user = builder.user_text(doc)
-    except (KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
-        # A row that does not fit the user template is stored failed, not a job error (another row's
-        # values may fit): said, so that a template no row fits ({title:zz}) is seen before the night.
-        from runner.cli_output import one_line, warn
+    note = check_first_prompt(spec, builder_for(spec), reader.documents(spec.system_source, scan.skip))
+    if note:
+        from runner.cli_output import warn
 
-        warn(f"Note: the first row (id {doc.row_id!r}) does not fit prompts.user_template "
-             f"({exc.__class__.__name__}: {one_line(str(exc), 200)}): a run stores each such row failed; "
-             "runner plan counts them")
-        return
-    builder.prompt_ids(doc.system_prompt, user)
+        warn(f"Note: {note}")
 
 
 @cli.command()
@@ -89,7 +77,7 @@ def plan(job, overrides):
     from runner.errors import ModelError
     from runner.plan import CharEstimate, summarize_plan
     from runner.summary import plural
-    from runner.prompting import builder_for
+    from runner.prompting import builder_for, check_first_prompt
     from runner.readers import LocalReader
     from runner.spec import load_job
 
@@ -105,6 +93,8 @@ def plan(job, overrides):
             raise
         # the builtin model, not prepared yet: estimated from the characters
         builder = CharEstimate(spec.spec.prompts.user_template, [e.model_dump() for e in spec.spec.prompts.examples])
+    else:
+        check_first_prompt(spec, builder, reader.documents(spec.system_source, scan.skip))  # as validate and run
     mml, max_tokens = spec.engine.max_model_len, spec.spec.sampling.max_tokens
     # whether a cut of the document makes a too-long row fit: as a run decides it (the template's tokens too)
     fits = None if isinstance(builder, CharEstimate) else (

@@ -218,13 +218,43 @@ _SENTINEL = "\uE000user-text\uE001"  # private-use characters: never in a templa
 _PROBE = ' \t"q\' \\ <a&b> é\n{x} '
 
 
+def template_where(job) -> str:
+    """Where the job's chat template comes from, for its errors."""
+    p = job.spec.prompts
+    return (f"{job.path}: prompts.chat_template ({p.chat_template})" if p.chat_template
+            else f"the chat template of {job.model_path}")
+
+
+def check_first_prompt(job, builder: PromptBuilder, documents) -> Optional[str]:
+    """Build the first row's prompt, as validate, plan and run all do before anything else: a chat
+    template that refuses it (raise_exception) is the job's error (TemplateError), not every row's.
+    Returns a note where the row does not fit prompts.user_template: that is the row's failure
+    (another row's values may fit), said so that a template no row fits is seen before the night."""
+    doc = next(iter(documents), None)
+    if doc is None or doc.problem:
+        return None
+    doc = builder.capped(doc, job.engine.max_model_len)  # a huge first row: no gigabytes to tokenize it
+    try:
+        user = builder.user_text(doc)
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
+        why = " ".join(str(exc).split())
+        why = why if len(why) <= 200 else why[:197] + "..."
+        return (f"the first row (id {doc.row_id!r}) does not fit prompts.user_template ({exc.__class__.__name__}: "
+                f"{why}): a run stores each such row failed; runner plan counts them")
+    try:
+        builder.prompt_ids(doc.system_prompt, user)
+    except TemplateError as exc:
+        raise TemplateError(f"{template_where(job)}: refuses the first row's prompt (id {doc.row_id!r}): "
+                            f"{str(exc).removeprefix('chat template: ')}") from None
+    return None
+
+
 def builder_for(job) -> PromptBuilder:
     """The PromptBuilder of a loaded job: its model, user template, few-shot turns and chat template."""
     p = job.spec.prompts
     builder = PromptBuilder(job.model_path, p.user_template, examples=[e.model_dump() for e in p.examples],
                             chat_template=job.chat_template, chat_template_kwargs=p.chat_template_kwargs)
-    where = (f"{job.path}: prompts.chat_template ({p.chat_template})" if p.chat_template
-             else f"the chat template of {job.model_path}")
+    where = template_where(job)
     try:
         builder.compile_template()  # a template that cannot compile is the job's error, not every row's
     except TemplateError as exc:

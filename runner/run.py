@@ -23,7 +23,7 @@ from runner.errors import SpecError
 from runner.fingerprint import calibration_key, prompt_keys
 from runner.inputs import InputScan
 from runner.lock import JobLock
-from runner.prompting import PromptBuilder, builder_for
+from runner.prompting import PromptBuilder, builder_for, check_first_prompt
 from runner.readers import LocalReader
 from runner.requests import RequestBuilder, build_ahead
 from runner.rows import StatsRow, Status
@@ -107,6 +107,9 @@ def _run(job: Job, engine_factory: Callable[[Job], Engine], opts: RunOptions) ->
     scan = LocalReader(job.input_path, job.spec.input).scan(keep_ids=True)  # the driver checks its input
     try:
         builder = builder_for(job)
+        # a chat template that refuses the first row stops the run, as it stops validate and plan
+        check_first_prompt(job, builder, LocalReader(job.input_path, job.spec.input).documents(job.system_source,
+                                                                                               scan.skip))
         t_lock = opts.clock()
         with JobLock(job.database_path, job.name, wait=opts.wait, on_wait=opts.notify):
             opts = replace(opts, lock_wait_s=opts.clock() - t_lock)

@@ -151,6 +151,21 @@ def test_validate_renders_a_prompt_so_a_broken_chat_template_is_found_before_the
     assert result.exit_code == 2 and "prompts.chat_template_kwargs.add_generation_prompt: set by the runner" in result.output
 
 
+def test_a_chat_template_that_refuses_the_first_row_stops_validate_plan_and_run_alike(make_job, tmp_path):
+    """validate and plan refused it; run went ahead and stored every row failed."""
+    (tmp_path / "raises.jinja").write_text("{% if messages[0].role != 'user' %}{{ raise_exception('first must be "
+                                           "user') }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    job = make_job()
+    said = set()
+    for command in (["validate"], ["plan"], ["run", "--engine", "fake"]):
+        result = invoke(*command, "--set", "prompts.chat_template=raises.jinja", job)
+        assert result.exit_code == 2, result.output
+        said.add(result.output)
+    assert said == {f"Error: {job}: prompts.chat_template (raises.jinja): refuses the first row's prompt (id 'r000'): "
+                    "first must be user\n"}
+    assert not (tmp_path / "out" / "results.sqlite").exists()
+
+
 def test_mistakes_in_settings_and_columns_are_named(make_job, tmp_path):
     job = make_job()
     out = invoke("validate", "--set", "input.system_prompt_column=sys", job)
@@ -266,8 +281,8 @@ def test_json_lines_ids_of_numbers_and_text_run_as_text(make_job, tmp_path, monk
         con.commit()
         con.close()
     # the check before the run meets the change (at once, or after pyarrow's first rows: as many as
-    # its readahead gave), and the run then reads the whole file as text
-    assert skipped[0] == 0 and 0 < skipped[2] < 40_000 and skipped[1] == skipped[3] == 0, skipped
+    # its readahead gave), and the first row's prompt and the run then read the whole file as text
+    assert skipped[0] == 0 and 0 < skipped[3] < 40_000 and skipped[1:3] == skipped[4:] == [0, 0], skipped
 
 
 def test_a_json_lines_file_that_changes_type_reads_every_row_alike(make_job, tmp_path):
