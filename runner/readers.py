@@ -191,7 +191,7 @@ class LocalReader(Reader):
         fmt = file_format(file, self.spec.format)
         if fmt == "parquet":
             pf = self._open(file, columns)
-            self._check_columns(file, set(pf.schema_arrow.names) | set(partition))
+            self._check_columns(file, set(pf.schema_arrow.names), partition)
             present = [c for c in columns if c not in partition]
             for rg in range(pf.num_row_groups):
                 yield from pf.iter_batches(batch_size=self.spec.batch_rows, row_groups=[rg], columns=present)
@@ -201,7 +201,7 @@ class LocalReader(Reader):
             first = True
             for batch in batches(file, self.spec.batch_rows):
                 if first:
-                    self._check_columns(file, set(batch.schema.names) | set(partition))
+                    self._check_columns(file, set(batch.schema.names), partition)
                     first = False
                 yield batch.select([c for c in columns if c not in partition])
         else:
@@ -216,12 +216,12 @@ class LocalReader(Reader):
         try:
             if fmt == "jsonl":
                 yield from json_lines.batches(file, [(c, fields[c]) for c in present], self.spec.batch_rows,
-                                              lambda keys: self._check_columns(file, keys | set(partition)))
+                                              lambda keys: self._check_columns(file, keys, partition))
                 return
 
             def read(block: int):  # CSV in blocks of this size (Resumable grows them for a long row)
                 data = ds.dataset(file, format=ds.CsvFileFormat(**csv_options(self.spec, block)))
-                self._check_columns(file, set(data.schema.names) | set(partition))
+                self._check_columns(file, set(data.schema.names), partition)
                 return data.to_batches(columns=present, batch_size=self.spec.batch_rows)
 
             yield from Resumable().batches(read, self.spec.batch_rows)
@@ -258,10 +258,16 @@ class LocalReader(Reader):
         except Exception as exc:  # pyarrow raises ArrowInvalid and others for corrupt files
             raise InputError(f"{file}: corrupt Parquet file ({exc.__class__.__name__}: {exc})") from None
 
-    def _check_columns(self, file: str, names: set[str]) -> None:
+    def _check_columns(self, file: str, names: set[str], partition: dict) -> None:
+        """The job's columns are in the file or its folders' names (hive partitions), not in both:
+        the folder's value would replace the file's without a word."""
         for col, field in self.spec.columns():
-            if col not in names:
-                raise InputError(f"{file}: column {col!r} ({field}) not found; columns are {sorted(names)}")
+            if col in names and col in partition:
+                raise InputError(f"{file}: column {col!r} ({field}) is both in the file and in its folder's name "
+                                 f"({col}={partition[col]}): rename the column or the folder")
+            if col not in names and col not in partition:
+                raise InputError(f"{file}: column {col!r} ({field}) not found; columns are "
+                                 f"{sorted(names | set(partition))}")
 
 
 def csv_options(spec: InputSpec, block_bytes: Optional[int] = None) -> dict:

@@ -192,6 +192,23 @@ def test_hive_partition_folders_become_columns(tmp_path):
     assert scan_input(str(tmp_path / "in"), spec).rows == 4
 
 
+@pytest.mark.parametrize("name, write", [
+    ("p.parquet", lambda path: pq.write_table(pa.table({"id": ["a"], "text": ["t"], "system_prompt": ["s"],
+                                                         "desk": ["zz"]}), path)),
+    ("p.jsonl", lambda path: path.write_text('{"id": "a", "text": "t", "system_prompt": "s", "desk": "zz"}\n')),
+    ("p.csv", lambda path: path.write_text("id,text,system_prompt,desk\na,t,s,zz\n")),
+])
+def test_a_column_both_in_the_file_and_in_its_folders_name_is_refused(tmp_path, name, write):
+    """The folder's desk=a replaced the file's own desk values without a word (Spark refuses it)."""
+    (tmp_path / "in" / "desk=a").mkdir(parents=True)
+    write(tmp_path / "in" / "desk=a" / name)
+    spec = SPEC.model_copy(update={"extra_columns": ["desk"]})
+    with pytest.raises(InputError, match=r"p\.\w+: column 'desk' \(input.extra_columns\) is both in the file and in "
+                                         r"its folder's name \(desk=a\): rename the column or the folder"):
+        scan_input(str(tmp_path / "in"), spec)
+    assert scan_input(str(tmp_path / "in"), SPEC).rows == 1  # a column the job does not read: no matter
+
+
 def test_a_link_to_a_partition_inside_the_input_leaves_the_partition_to_its_own_path(tmp_path):
     """`current -> desk=sports` (sorted before it): read once, by the path that holds desk=sports."""
     write_docs(tmp_path / "in" / "desk=sports" / "part-0.parquet", 2)

@@ -50,6 +50,11 @@ def test_real_sample_job_is_valid():
      "integer, unable to parse string as an integer (given the text '1e9': YAML reads this form of a number as "
      "text; write 1000000000)"),
     (lambda s: s["output"].update(commit_every_rows=1.5), "got a number with a fractional part (given 1.5)"),
+    # vLLM refuses them only when the engine starts
+    (lambda s: s["sampling"].update(temperature=float("inf")), "job.yaml: sampling.temperature: Input should be a "
+                                                                 "finite number"),
+    (lambda s: s["sampling"].update(repetition_penalty=float("nan")), "sampling.repetition_penalty: Input should be a "
+                                                                        "finite number"),
     (lambda s: s["input"].update(extra_columns=["title", "source", "title"]),
      "job.yaml: input.extra_columns: Value error, 'title' listed more than once"),
     (lambda s: s["sampling"].update(temperature=-1), "job.yaml: sampling.temperature: Input should be greater than or equal to 0"),
