@@ -219,6 +219,28 @@ def read_documents(reader: Reader, system_prompt, skip: frozenset[int] | set[int
     return documents_from_batches(reader.batches(), reader.spec, system_prompt, skip)
 
 
+def _values_of(column) -> list:
+    """A column's values; an Arrow map's as dicts (pyarrow gives (key, value) pairs)."""
+    import pyarrow as pa
+
+    values = column.to_pylist()
+    if pa.types.is_map(column.type):
+        return [None if v is None else dict(v) for v in values]
+    return values
+
+
+def _field(value):
+    """An extra column's value as a prompt shows it: null as empty, a list, struct or map (Parquet,
+    JSON) as JSON text, not Python's repr; anything else as it is (a number keeps its format spec)."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, dict)):
+        import json
+
+        return json.dumps(value, ensure_ascii=False, default=str)
+    return value
+
+
 def documents_from_batches(batches, spec: InputSpec, system_prompt, skip=frozenset()) -> Iterator[Document]:
     """Documents from (file, Arrow record batch) pairs, whoever read them (pyarrow or Ray Data).
     system_prompt: one prompt for every row, or a function of a row's fields (a system template).
@@ -232,12 +254,12 @@ def documents_from_batches(batches, spec: InputSpec, system_prompt, skip=frozens
             systems = _values(_text_column(file, batch, spec.system_prompt_column, "input.system_prompt_column"))
         else:
             systems = [system_prompt] * len(ids)
-        extras = {c: _extra_column(file, batch, c).to_pylist() for c in spec.extra_columns}
+        extras = {c: _values_of(_extra_column(file, batch, c)) for c in spec.extra_columns}
         for i, rid in enumerate(ids):
             row += 1
             if row in skip:
                 continue
-            fields = {c: ("" if v[i] is None else v[i]) for c, v in extras.items()}
+            fields = {c: _field(v[i]) for c, v in extras.items()}
             problem = (f"input: null text ({spec.text_column})" if texts[i] is None else
                        f"input: null system prompt ({spec.system_prompt_column})" if systems[i] is None
                        and spec.system_prompt_column else None)

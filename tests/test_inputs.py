@@ -270,3 +270,22 @@ def test_the_system_prompts_of_the_whole_input_are_read_past_a_limit(tmp_path, f
     scan = LocalReader(str(f), limited).scan()
     assert scan.cut_by_limit and scan.system_prompt_keys == {group_key("A")}
     assert system_prompt_keys(LocalReader(str(f), SPEC)) == {group_key("A"), group_key("B")}
+
+
+def test_nested_values_reach_the_prompt_as_json_not_python_repr(tmp_path):
+    """A struct, list or map column showed as {'a': 1, 'b': 'q'} / [('k', 'v')] in the prompt, and a
+    JSON Lines object as Python's repr in the file's first block but as JSON after it."""
+    import json
+
+    table = pa.table({"id": ["a", "b"], "text": ["t", "u"], "system_prompt": ["s", "s"],
+                      "meta": [{"a": 1, "b": "q"}, None], "tags": [["u", "é"], []],
+                      "kv": pa.array([[("k", "v")], []], type=pa.map_(pa.string(), pa.string()))})
+    pq.write_table(table, tmp_path / "d.parquet")
+    spec = SPEC.model_copy(update={"extra_columns": ["meta", "tags", "kv"]})
+    rows = list(iter_documents(tmp_path / "d.parquet", spec, None))
+    assert rows[0].fields == {"meta": '{"a": 1, "b": "q"}', "tags": '["u", "é"]', "kv": '{"k": "v"}'}
+    assert rows[1].fields == {"meta": "", "tags": "[]", "kv": "{}"}
+    (tmp_path / "d.jsonl").write_text(json.dumps({"id": "j", "text": "t", "system_prompt": "s", "meta": {"k": [1, 2]}})
+                                      + "\n")
+    [row] = iter_documents(tmp_path / "d.jsonl", SPEC.model_copy(update={"extra_columns": ["meta"]}), None)
+    assert row.fields == {"meta": '{"k": [1, 2]}'}
