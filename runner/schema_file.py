@@ -43,7 +43,54 @@ def _load_schema(path: Path, where: str) -> dict[str, Any]:
         where, ref = dangling
         raise SpecError(f"{path}: {where}: $ref {ref!r} points to nothing in the file (vLLM would refuse every "
                         f"row's grammar)")
+    impossible = next(unsatisfiable(schema), None)
+    if impossible is not None:
+        where, why = impossible
+        raise SpecError(f"{path}: {where}: {why}: no value fits it, so every row would fail")
     return schema
+
+
+_BOUNDS = (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
+           ("minProperties", "maxProperties"))
+
+
+def unsatisfiable(schema: Any, where: str = "#"):
+    """(location, why) of the plain contradictions a schema can hold where every value meets them
+    (see _schemas): an empty enum, a lower bound over its upper one, a required property that
+    additionalProperties: false forbids."""
+    for at, node in _schemas(schema, where):
+        if node.get("enum") == []:
+            yield at, "enum is empty"
+        for lo, hi in _BOUNDS:
+            a, b = node.get(lo), node.get(hi)
+            if _number(a) and _number(b) and a > b:
+                yield at, f"{lo} {a} is over {hi} {b}"
+        props = node.get("properties")
+        if node.get("additionalProperties") is False and isinstance(props, dict) and "patternProperties" not in node:
+            for name in node.get("required") or []:
+                if isinstance(name, str) and name not in props:
+                    yield at, f"requires {name!r}, which additionalProperties: false forbids (not in properties)"
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _schemas(node: Any, where: str):
+    """(location, subschema) of the schema and of the schemas every value must fit inside it: the
+    required properties', allOf's, and the items of an array that must have some. (An optional
+    property, or a branch of anyOf, may be impossible on purpose: another way fits.)"""
+    if not isinstance(node, dict):
+        return
+    yield where, node
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    for name in node.get("required") or []:
+        if isinstance(name, str) and name in props:
+            yield from _schemas(props[name], f"{where}/properties/{name}")
+    for i, sub in enumerate(node.get("allOf") or []):
+        yield from _schemas(sub, f"{where}/allOf/{i}")
+    if _number(node.get("minItems")) and node["minItems"] >= 1:
+        yield from _schemas(node.get("items"), f"{where}/items")
 
 
 def check_examples(examples: list, schema: dict[str, Any], where: str) -> None:

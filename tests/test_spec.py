@@ -354,6 +354,30 @@ def test_schema_that_is_not_json_schema(make_job, tmp_path):
         load_job(path)
 
 
+@pytest.mark.parametrize("schema, refused", [
+    ({"type": "object", "properties": {"v": {"enum": []}}, "required": ["v"]}, "#/properties/v: enum is empty"),
+    ({"type": "object", "properties": {"v": {"enum": []}}}, None),  # optional: an output may leave it out
+    ({"properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["n"]},
+     "#/properties/n: minimum 5 is over maximum 1"),
+    ({"properties": {"t": {"type": "array", "minItems": 1, "items": {"minLength": 3, "maxLength": 2}}},
+      "required": ["t"]}, "#/properties/t/items: minLength 3 is over maxLength 2"),
+    ({"properties": {"t": {"type": "array", "items": {"minLength": 3, "maxLength": 2}}}, "required": ["t"]}, None),
+    ({"properties": {"a": {"type": "string"}}, "required": ["a", "zzz"], "additionalProperties": False},
+     "#: requires 'zzz', which additionalProperties: false forbids (not in properties)"),
+    ({"anyOf": [{"enum": []}, {"type": "object"}]}, None),  # another branch fits
+    ({"allOf": [{"minProperties": 3, "maxProperties": 1}]}, "#/allOf/0: minProperties 3 is over maxProperties 1"),
+])
+def test_a_schema_no_value_can_fit_is_refused_when_the_job_loads(make_job, schema, refused):
+    """validate said OK; every row then failed (and the fake engine stopped with a traceback)."""
+    path = make_job(schema=schema)
+    if refused is None:
+        load_job(path)
+        return
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert str(err.value).endswith(f"out.json: {refused}: no value fits it, so every row would fail"), str(err.value)
+
+
 @pytest.mark.parametrize("schema, dangling", [
     ({"$defs": {"x": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/x"}}}, None),
     ({"properties": {"a": {"$ref": "#"}}}, None),  # the whole document: a recursive schema

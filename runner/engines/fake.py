@@ -25,7 +25,7 @@ def example_for_schema(schema: dict, seed: str = "", root: Optional[dict] = None
         return example_for_schema(target, seed, root)
     if "const" in schema:
         return schema["const"]
-    if "enum" in schema:
+    if schema.get("enum"):  # (an empty one has no value: the schema check fails the row)
         return schema["enum"][len(seed) % len(schema["enum"])]
     kind = schema.get("type", "object")
     if isinstance(kind, list):
