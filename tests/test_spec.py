@@ -540,3 +540,19 @@ def test_sampling_fields_are_read_from_the_installed_vllms_source_without_import
     assert sampling_fields() is None  # not where expected: the engine decides, as before
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert sampling_fields() is None
+
+
+def test_a_model_path_in_the_job_is_relative_to_the_job_file_as_every_path_there(make_job, tmp_path, tiny_model_dir):
+    """engine.model given in the job (or with --set) was looked for beside the engine config."""
+    import shutil
+
+    shutil.copytree(tiny_model_dir, tmp_path / "models" / "m")
+    path = make_job(engine={"model": "configs-relative/none"})  # the config's own: relative to the config
+    spec = yaml.safe_load(path.read_text())
+    spec["engine"]["model"] = "models/m"
+    path.write_text(yaml.safe_dump(spec))
+    assert load_job(path).model_path == (tmp_path / "models" / "m").resolve()
+    assert load_job(path, ["engine.model=models/m"]).model_path == (tmp_path / "models" / "m").resolve()
+    del spec["engine"]["model"]
+    path.write_text(yaml.safe_dump(spec))
+    assert load_job(path).model_path == (tmp_path / "configs" / "configs-relative" / "none").resolve()
