@@ -44,7 +44,9 @@ def row(line: str, file: str, number: int) -> dict:
     # Every system and developer message, in order (OpenAI's newer clients send the instructions as
     # "developer"). None: an empty system prompt (the rows group together, with none).
     system = "\n\n".join(text for _, text in instructions if text)
-    user = turns[0][1] if turns and turns[0][0] == "user" else None
+    # no text (only images, or null): a null text, as a missing message is (refused, or with
+    # on_bad_row: store, stored failed): an empty prompt would be run and stored ok
+    user = (turns[0][1] or None) if turns and turns[0][0] == "user" else None
     # a null custom_id is the input's null id: refused, or rejected with input.on_bad_row: store
     return {"custom_id": None if custom_id is None else str(custom_id), "system": system, "user": user}
 

@@ -21,10 +21,12 @@ def _load_schema(path: Path, where: str) -> dict[str, Any]:
     import jsonschema
 
     try:
-        schema = json.loads(path.read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is no JSON error
+        # a BOM (Windows editors) is no JSON error; NaN is not JSON, and of a key given twice json
+        # would keep the last without a word
+        schema = json.loads(path.read_text(encoding="utf-8-sig"), parse_constant=_not_json, object_pairs_hook=_once)
     except FileNotFoundError:
         raise SpecError(f"{where}: output_schema: file not found: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: json's, a decoding error, the two hooks'
         raise SpecError(f"{path}: not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise SpecError(f"{path}: a JSON Schema must be an object")
@@ -91,6 +93,20 @@ def _schemas(node: Any, where: str):
         yield from _schemas(sub, f"{where}/allOf/{i}")
     if _number(node.get("minItems")) and node["minItems"] >= 1:
         yield from _schemas(node.get("items"), f"{where}/items")
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _once(pairs: list) -> dict:
+    """An object whose keys are each given once: of a key given twice, json keeps the last silently."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} is given twice in one object")
+        out[key] = value
+    return out
 
 
 def check_examples(examples: list, schema: dict[str, Any], where: str) -> None:

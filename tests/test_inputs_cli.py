@@ -405,6 +405,11 @@ def test_openai_batch_lines_keep_every_instruction_refuse_conversations_and_may_
     assert con.execute("SELECT row_id, status FROM results").fetchall() == [("a", "ok")]
     assert con.execute("SELECT count(*) FROM rejected_rows").fetchone()[0] == 1
 
+    # a user message without text (an image alone) is a null text: the default refuses the run, naming it
+    (tmp_path / "img.jsonl").write_text(json.dumps({"custom_id": "i", "body": {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}}) + "\n")
+    out = invoke("validate", "--set", "input.path=img.jsonl", *args, job)
+    assert out.exit_code == 3 and "column 'user' (input.text_column)" in out.output and "null" in out.output, out.output
     (tmp_path / "chat.jsonl").write_text(line("c", ("system", "S"), ("user", "example"), ("assistant", "{}"),
                                               ("user", "the real one")))
     out = invoke("validate", "--set", "input.path=chat.jsonl", *args, job)

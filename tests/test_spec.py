@@ -556,3 +556,18 @@ def test_a_model_path_in_the_job_is_relative_to_the_job_file_as_every_path_there
     del spec["engine"]["model"]
     path.write_text(yaml.safe_dump(spec))
     assert load_job(path).model_path == (tmp_path / "configs" / "configs-relative" / "none").resolve()
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"type": "object", "properties": {"n": {"type": "number", "maximum": NaN}}}', "NaN is not a JSON number"),
+    ('{"type": "object", "properties": {"a": {"type": "string"}}, "properties": {"b": {"type": "string"}}}',
+     "the key 'properties' is given twice in one object"),
+])
+def test_a_schema_file_that_json_would_read_loosely_is_refused(make_job, tmp_path, text, why):
+    """Python's json took NaN, and kept the last of a key given twice: the schema checked was not the
+    one the user reads."""
+    path = make_job()
+    (tmp_path / "schemas" / "out.json").write_text(text)
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert str(err.value) == f"{tmp_path / 'schemas' / 'out.json'}: not valid JSON: {why}"
