@@ -78,15 +78,10 @@ def renamed_from(store: Store, job: Job, fingerprint: str) -> Optional[str]:
             f"made exactly as this job makes them (renamed?): they are not reused; set `name: {name}` to resume them")
 
 
-# A document cut to fit leaves its prompt within a few tokens of the room (fit()'s 8 tokens of
-# slack, and re-tokenizing); rows stored before document_tokens_cut existed are told by that alone.
-CUT_SLACK_TOKENS = 16
-
-
 def length_rule_changes(store: Store, job: Job, fingerprint: str, components: dict) -> tuple[list[str], int]:
     """(the job's stored fingerprints that differ from this one in input.on_too_long alone, the
-    most prompt tokens of a row that rule cannot have touched)."""
-    room = job.engine.max_model_len - job.spec.sampling.max_tokens - CUT_SLACK_TOKENS
+    longest prompt a row may have: a row that fitted it whole was not touched by that rule)."""
+    room = job.engine.max_model_len - job.spec.sampling.max_tokens
     return [fp for fp, old in store.fingerprint_components(job.name).items()
             if fp != fingerprint and changed_parts(old, components) == ["on_too_long"]], room
 
@@ -96,7 +91,7 @@ def keep_rows_the_length_rule_does_not_touch(store: Store, job: Job, fingerprint
     prompt fitted whole) take the new fingerprint instead of running again; the rows it was
     applied to (cut, or failed as too long) run again. Returns how many were kept."""
     fps, room = length_rule_changes(store, job, fingerprint, components)
-    return sum(store.adopt_uncut_rows(job.name, fp, fingerprint, max_prompt_tokens=room) for fp in fps)
+    return sum(store.adopt_uncut_rows(job.name, fp, fingerprint, room) for fp in fps)
 
 
 def shared_name(store: Store, job: Job, fingerprint: str) -> Optional[str]:

@@ -17,18 +17,30 @@ _TO_HISTORY = (f"INSERT INTO results_history (id, {', '.join(RESULT_COLUMNS)}, r
                f"SELECT id, {', '.join(RESULT_COLUMNS)}, ?, ? FROM results WHERE job_name = ?")
 
 
+# A document cut to fit leaves its prompt within a few tokens of the room (fit()'s 8 tokens of
+# slack, and re-tokenizing): of a row stored before document_tokens_cut existed (migration 12),
+# that alone tells whether it may have been cut.
+CUT_SLACK_TOKENS = 16
+
+
+def uncut_within(table: str) -> str:
+    """SQL: the row's document was not cut and its prompt fitted the room (parameters: the room,
+    CUT_SLACK_TOKENS): a row input.on_too_long cannot have touched."""
+    return (f"coalesce({table}.document_tokens_cut, 0) = 0 AND {table}.prompt_tokens <= ? - CASE WHEN "
+            f"{table}.created_at_utc >= coalesce((SELECT applied_at_utc FROM _migrations WHERE name = "
+            "'m012_document_tokens_cut'), '') THEN 0 ELSE ? END")
+
+
 class HistoryRecords:
     """Store's methods that move rows into results_history and delete them from it."""
 
-    def adopt_uncut_rows(self, job_name: str, old: str, new: str, max_prompt_tokens: int) -> int:
-        """Give the job's rows of fingerprint `old` whose document was not cut and whose prompt is at
-        most max_prompt_tokens the fingerprint `new` (see resume.keep_rows_the_length_rule_does_not_touch).
-        Returns how many."""
+    def adopt_uncut_rows(self, job_name: str, old: str, new: str, room: int) -> int:
+        """Give the job's rows of fingerprint `old` that input.on_too_long cannot have touched (see
+        uncut_within) the fingerprint `new`. Returns how many."""
         with self._tx() as conn:
             return conn.exec_driver_sql(
-                "UPDATE results SET fingerprint = ? WHERE job_name = ? AND fingerprint = ? "
-                "AND coalesce(document_tokens_cut, 0) = 0 AND prompt_tokens <= ?",
-                (new, job_name, old, max_prompt_tokens)).rowcount
+                f"UPDATE results SET fingerprint = ? WHERE job_name = ? AND fingerprint = ? AND {uncut_within('results')}",
+                (new, job_name, old, room, CUT_SLACK_TOKENS)).rowcount
 
     def _archive(self, conn, rows: list[ResultRow], now: str) -> None:
         """Copy the stored rows these will replace into results_history (none, on a first run)."""

@@ -6,6 +6,7 @@ import sqlite3
 from pathlib import Path
 
 from runner.errors import StoreError
+from runner.store_history import CUT_SLACK_TOKENS, uncut_within
 from runner.store_sqlite import BUSY_TIMEOUT_MS, InputCounts, read_uri
 
 
@@ -17,13 +18,12 @@ class InputRecords:
         """How many of the input's rows are stored: in all, by this version of the job (or before
         fingerprints), and ok (by any version). One pass, joined on disk with the input's row ids
         (runner/row_ids.py): no set of a million ids in memory. adoptable: (fingerprints, most
-        prompt tokens) of rows a run would keep (see adopt_uncut_rows), counted as this version's."""
-        fps, most = adoptable
-        also = (f" OR (r.fingerprint IN ({', '.join('?' * len(fps))}) AND coalesce(r.document_tokens_cut, 0) = 0 "
-                "AND r.prompt_tokens <= ?)") if fps else ""
+        room) of rows a run would keep (see adopt_uncut_rows), counted as this version's."""
+        fps, room = adoptable
+        also = f" OR (r.fingerprint IN ({', '.join('?' * len(fps))}) AND {uncut_within('r')})" if fps else ""
         q = (f"SELECT count(*), coalesce(sum(r.fingerprint = ? OR r.fingerprint IS NULL{also}), 0), "
              "coalesce(sum(r.status = 'ok'), 0) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id")
-        params = (fingerprint, *fps, most) if fps else (fingerprint,)
+        params = (fingerprint, *fps, room, CUT_SLACK_TOKENS) if fps else (fingerprint,)
         return InputCounts(*self._with_input_ids(ids_file, q, (*params, job_name))[0])
 
     def input_status_counts(self, job_name: str, ids_file: Path) -> dict[str, int]:

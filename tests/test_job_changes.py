@@ -137,6 +137,30 @@ def test_switching_on_too_long_runs_again_only_the_rows_it_applies_to(make_job, 
     assert "running 6 stored rows again" in out.output, out.output
 
 
+@pytest.mark.parametrize("stored_before_the_column", [False, True])
+def test_a_row_near_the_room_runs_again_only_where_it_was_stored_before_cuts_were_recorded(
+        make_job, tmp_path, stored_before_the_column):
+    """Rows stored before results.document_tokens_cut existed may have been cut without a record:
+    such a row whose prompt ends within a few tokens of the room runs again; a later one does not."""
+    job = make_job(rows=3)
+    db = tmp_path / "out" / "results.sqlite"
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    con = sqlite3.connect(db)
+    with con:
+        con.execute("UPDATE results SET prompt_tokens = ? WHERE row_id = 'r001'", (1024 - 64 - 5,))  # 5 under the room
+        if stored_before_the_column:
+            con.execute("UPDATE _migrations SET applied_at_utc = '9999' WHERE name = 'm012_document_tokens_cut'")
+    con.close()
+    edit(job, lambda s: s["input"].update(on_too_long="truncate"))
+    again = 1 if stored_before_the_column else 0
+    expected = (f"next run: {again} of 3 input rows to run ({again} stored by another version); 0 with --retry-failed"
+                if again else
+                "next run: nothing to run (all 3 input rows stored)")
+    assert invoke("status", job).output.splitlines()[-1] == expected
+    out = invoke("run", "--engine", "fake", job)
+    assert out.exit_code == 0 and (f"{again} run" in out.output), out.output
+
+
 def test_retry_failed_runs_only_rows_that_are_not_ok(make_job, tmp_path):
     job = load_job(make_job(rows=8))
     bad = {"r001", "r004"}
