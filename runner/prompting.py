@@ -227,9 +227,10 @@ def template_where(job) -> str:
 
 def check_first_prompt(job, builder: PromptBuilder, documents) -> Optional[str]:
     """Build the first row's prompt, as validate, plan and run all do before anything else: a chat
-    template that refuses it (raise_exception) is the job's error (TemplateError), not every row's.
-    Returns a note where the row does not fit prompts.user_template: that is the row's failure
-    (another row's values may fit), said so that a template no row fits is seen before the night."""
+    template that refuses it (raise_exception), and also another document under the same system
+    prompt, is the job's error (TemplateError), not every row's. Returns a note where only this
+    row is refused, or it does not fit prompts.user_template: that is the row's failure (another
+    row may fit), said so that a template no row fits is seen before the night."""
     doc = next(iter(documents), None)
     if doc is None or doc.problem:
         return None
@@ -244,8 +245,18 @@ def check_first_prompt(job, builder: PromptBuilder, documents) -> Optional[str]:
     try:
         builder.prompt_ids(doc.system_prompt, user)
     except TemplateError as exc:
+        why = str(exc).removeprefix("chat template: ")
+        # another document, then another system prompt: a template that refuses some content (a
+        # word, one group's system prompt) fails those rows only; one that refuses all is the job's
+        for system in (doc.system_prompt, "a system prompt"):
+            try:
+                builder.prompt_ids(system, "a document")
+            except TemplateError:
+                continue
+            return (f"the chat template refuses the first row's prompt (id {doc.row_id!r}: {why}), but not others: "
+                    "a run stores each row it refuses failed")
         raise TemplateError(f"{template_where(job)}: refuses the first row's prompt (id {doc.row_id!r}): "
-                            f"{str(exc).removeprefix('chat template: ')}") from None
+                            f"{why}") from None
     return None
 
 

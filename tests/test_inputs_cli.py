@@ -166,6 +166,23 @@ def test_a_chat_template_that_refuses_the_first_row_stops_validate_plan_and_run_
     assert not (tmp_path / "out" / "results.sqlite").exists()
 
 
+def test_a_chat_template_that_refuses_the_first_rows_group_fails_those_rows_only(make_job, tmp_path):
+    """A template that refuses some content (one group's system prompt) refuses rows, not the job: a
+    first row it refuses must not stop every night's run (it is stored failed, and resume skips it)."""
+    (tmp_path / "word.jinja").write_text("{% for m in messages %}{% if 'customer reviews' in m.content %}{{ "
+                                         "raise_exception('not reviews') }}{% endif %}{{ m.content }}{% endfor %}")
+    job = make_job()
+    out = invoke("validate", "--set", "prompts.chat_template=word.jinja", job)
+    assert out.exit_code == 0 and ("Note: the chat template refuses the first row's prompt (id 'r000': not reviews), "
+                                   "but not others: a run stores each row it refuses failed") in out.output, out.output
+    for _ in range(2):  # the second run: r000 is stored, and the check lets it be
+        out = invoke("run", "--engine", "fake", "--quiet", "--set", "prompts.chat_template=word.jinja", job)
+        assert out.exit_code == 0, out.output
+    rows = dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status FROM results"))
+    assert [r for r, v in sorted(rows.items()) if v == "failed"] == ["r000", "r001", "r002", "r006", "r007", "r008"]
+    assert sum(v == "ok" for v in rows.values()) == 6  # the other system prompt's rows
+
+
 def test_mistakes_in_settings_and_columns_are_named(make_job, tmp_path):
     job = make_job()
     out = invoke("validate", "--set", "input.system_prompt_column=sys", job)
