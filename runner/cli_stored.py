@@ -31,7 +31,6 @@ def status(job, overrides):
     from runner.errors import NotFound, SpecError
     from runner.fingerprint import changed_parts, result_fingerprint
     from runner.lock import holder
-    from runner.resume import renamed_from
     from runner.spec import job_results, load_job
 
     try:
@@ -73,8 +72,6 @@ def status(job, overrides):
     if rows:
         say(table(rows))
     say(f"earlier results kept in results_history: {history['history_rows']:,}")
-    if not groups and spec is not None and (renamed := renamed_from(store, spec, current)):
-        say(f"Note: {renamed}")
     say(next_run(store))
     store.check_unchanged()
     if unloaded is not None:
@@ -140,7 +137,7 @@ def _next_run(spec, store) -> str:
     from runner.errors import InputError, SpecError
     from runner.fingerprint import result_fingerprint
     from runner.readers import LocalReader
-    from runner.resume import length_rule_changes
+    from runner.resume import length_rule_changes, renamed_from
 
     try:
         scan = LocalReader(spec.input_path, spec.spec.input).scan(keep_ids=store is not None)
@@ -154,8 +151,10 @@ def _next_run(spec, store) -> str:
         fingerprint, components = result_fingerprint(spec)
         counts = store.input_counts(spec.name, scan.ids.path, fingerprint,
                                     length_rule_changes(store, spec, fingerprint, components))
+        renamed = renamed_from(store, spec, scan, fingerprint) if not counts.stored else None
     finally:
         scan.ids.close()
+    note = f"Note: {renamed}\n" if renamed else ""
     todo, retry = scan.rows - counts.current, scan.rows - counts.ok
     redo = counts.stored - counts.current
     also = f"; {retry:,} with --retry-failed" if retry != todo else ""
@@ -163,4 +162,4 @@ def _next_run(spec, store) -> str:
         return f"next run: nothing to run (all {plural(scan.rows, 'input row')} stored){also}"
     parts = ([f"{todo - redo:,} new"] if todo > redo or not redo else []) + (
         [f"{redo:,} stored by another version"] if redo else [])
-    return f"next run: {todo:,} of {plural(scan.rows, 'input row')} to run ({', '.join(parts)}){also}"
+    return f"{note}next run: {todo:,} of {plural(scan.rows, 'input row')} to run ({', '.join(parts)}){also}"

@@ -59,7 +59,7 @@ def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool, coun
             reasons.update(changed_parts(known[fp], components))
     work = Work(fingerprint, scan.rows - skipped, skipped, redone, sorted(reasons),
                 store.done_filter(job.name, fingerprint, ok_only=retry_failed), skip=scan.skip)
-    if counted is None and not counts.stored and (renamed := renamed_from(store, job, fingerprint)):
+    if counted is None and not counts.stored and (renamed := renamed_from(store, job, scan, fingerprint)):
         work.notes.append(renamed)
     if kept:
         work.notes.append(f"input.on_too_long changed: {plural(kept, 'stored row')} that it does not change kept "
@@ -67,15 +67,17 @@ def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool, coun
     return work
 
 
-def renamed_from(store: Store, job: Job, fingerprint: str) -> Optional[str]:
-    """A note where no row of the job is stored but another job's rows were made exactly as this one
-    makes them: rows are kept per job name, so a renamed job runs them all again."""
-    others = store.same_rows_elsewhere(job.name, fingerprint)
-    if not others:
+def renamed_from(store: Store, job: Job, scan: InputScan, fingerprint: str) -> Optional[str]:
+    """A note where no row of the job is stored, but most of its input's rows are stored under
+    another job name, made exactly as this job makes them: rows are kept per job name, so a
+    renamed job runs them all again. (Two jobs alike but for their inputs share no ids: no note.)"""
+    others = store.same_rows_elsewhere(job.name, scan.ids.path, fingerprint)
+    if not others or others[0][1] < 0.9 * scan.rows:
         return None
     name, rows = others[0]
-    return (f"no row of job {job.name} is stored, but {plural(rows, 'row')} of job {name} in {job.database_path} were "
-            f"made exactly as this job makes them (renamed?): they are not reused; set `name: {name}` to resume them")
+    return (f"no row of job {job.name} is stored, but {rows:,} of its {plural(scan.rows, 'input row')} are stored "
+            f"under job {name} in {job.database_path}, made exactly as this job makes them (renamed?): they are not "
+            f"reused; set `name: {name}` to resume them")
 
 
 def length_rule_changes(store: Store, job: Job, fingerprint: str, components: dict) -> tuple[list[str], int]:

@@ -33,13 +33,20 @@ class InputRecords:
              "GROUP BY r.status")
         return dict(self._with_input_ids(ids_file, q, (job_name,)))
 
-    def same_rows_elsewhere(self, job_name: str, fingerprint: str) -> list[tuple[str, int]]:
-        """(job name, rows) of the other jobs in this database whose rows were made by a job exactly
-        like this one (the same fingerprint): a job renamed, most rows first."""
+    def same_rows_elsewhere(self, job_name: str, ids_file: Path, fingerprint: str) -> list[tuple[str, int]]:
+        """(job name, input rows it stores) of the other jobs in this database that store rows of
+        this input by ids, made by a job exactly like this one (the same fingerprint), most first.
+        Only for a job with no row stored at all (a job renamed); the fingerprints table names the
+        candidates, and each is counted through the (job_name, row_id) index."""
         with self.engine.connect() as conn:
-            return [tuple(r) for r in conn.exec_driver_sql(
-                "SELECT job_name, count(*) AS n FROM results WHERE fingerprint = ? AND job_name != ? "
-                "GROUP BY job_name ORDER BY n DESC, job_name", (fingerprint, job_name))]
+            if conn.exec_driver_sql("SELECT 1 FROM results WHERE job_name = ? LIMIT 1", (job_name,)).first():
+                return []
+            names = [n for (n,) in conn.exec_driver_sql(
+                "SELECT job_name FROM fingerprints WHERE fingerprint = ? AND job_name != ?", (fingerprint, job_name))]
+        q = ("SELECT count(*) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id "
+             "AND r.fingerprint = ?")
+        found = [(n, self._with_input_ids(ids_file, q, (n, fingerprint))[0][0]) for n in names]
+        return sorted([f for f in found if f[1]], key=lambda f: (-f[1], f[0]))
 
     def _with_input_ids(self, ids_file: Path, query: str, params: tuple) -> list[tuple]:
         # A connection of its own: the ATTACH must not outlive the query in SQLAlchemy's pool.

@@ -685,11 +685,22 @@ def test_a_renamed_job_is_told_where_its_rows_are(make_job, tmp_path):
     job = make_job(rows=4)
     assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
     edit(job, lambda s: s.update(name="renamed"))
-    note = (f"no row of job renamed is stored, but 4 rows of job t in {tmp_path / 'out' / 'results.sqlite'} were made "
-            "exactly as this job makes them (renamed?): they are not reused; set `name: t` to resume them")
+    note = (f"no row of job renamed is stored, but 4 of its 4 input rows are stored under job t in "
+            f"{tmp_path / 'out' / 'results.sqlite'}, made exactly as this job makes them (renamed?): they are not "
+            "reused; set `name: t` to resume them")
     assert f"Note: {note}" in invoke("status", job).output.splitlines()
     out = invoke("run", "--engine", "fake", job)
     assert out.exit_code == 0 and note in out.output and "4 run" in out.output, out.output
     assert "renamed?" not in invoke("run", "--engine", "fake", job).output  # its own rows now
     edit(job, lambda s: s["sampling"].update(max_tokens=32) or s.update(name="other"))  # made differently: no note
     assert "renamed?" not in invoke("status", job).output
+    # a job alike but for its input (another year's files): its ids are not stored elsewhere, no note
+    from tests.conftest import write_docs
+
+    write_docs(tmp_path / "data" / "2025.parquet", 4)
+    t = pq.read_table(tmp_path / "data" / "2025.parquet").to_pydict()
+    t["id"] = [f"y{i}" for i in range(4)]
+    pq.write_table(pa.table(t), tmp_path / "data" / "2025.parquet")
+    edit(job, lambda s: s["sampling"].update(max_tokens=64) or s.update(name="y2025")
+         or s["input"].update(path="data/2025.parquet"))
+    assert "renamed?" not in invoke("status", job).output and "renamed?" not in invoke("run", "--engine", "fake", job).output
