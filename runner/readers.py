@@ -178,7 +178,7 @@ class LocalReader(Reader):
                             return
                         batch = batch.slice(0, left)
                         left -= batch.num_rows
-                    yield file, _with_partition(batch, partition, columns)
+                    yield file, _with_partition(file, batch, partition, columns)
             except (OSError, pa.ArrowException) as exc:
                 fmt = file_format(file, self.spec.format)
                 if fmt != "parquet" and _is_parquet(file):  # input.format names another format than the file's
@@ -191,8 +191,10 @@ class LocalReader(Reader):
         fmt = file_format(file, self.spec.format)
         if fmt == "parquet":
             pf = self._open(file, columns)
-            self._check_columns(file, set(pf.schema_arrow.names), partition)
-            present = [c for c in columns if c not in partition]
+            names = set(pf.schema_arrow.names)
+            self._check_columns(file, names, partition)
+            # a column also in the folder's name is read too: its values must agree (_with_partition)
+            present = [c for c in columns if c not in partition or c in names]
             for rg in range(pf.num_row_groups):
                 yield from pf.iter_batches(batch_size=self.spec.batch_rows, row_groups=[rg], columns=present)
         elif fmt == "openai-batch":
@@ -259,12 +261,8 @@ class LocalReader(Reader):
             raise InputError(f"{file}: corrupt Parquet file ({exc.__class__.__name__}: {exc})") from None
 
     def _check_columns(self, file: str, names: set[str], partition: dict) -> None:
-        """The job's columns are in the file or its folders' names (hive partitions), not in both:
-        the folder's value would replace the file's without a word."""
+        """The job's columns are in the file or its folders' names (hive partitions)."""
         for col, field in self.spec.columns():
-            if col in names and col in partition:
-                raise InputError(f"{file}: column {col!r} ({field}) is both in the file and in its folder's name "
-                                 f"({col}={partition[col]}): rename the column or the folder")
             if col not in names and col not in partition:
                 raise InputError(f"{file}: column {col!r} ({field}) not found; columns are "
                                  f"{sorted(names | set(partition))}")
@@ -284,16 +282,25 @@ def csv_options(spec: InputSpec, block_bytes: Optional[int] = None) -> dict:
                 convert_options=pcsv.ConvertOptions(column_types=text, strings_can_be_null=True, null_values=[""]), **blocks)
 
 
-def _with_partition(batch, partition: dict, columns: list[str]):
-    """The batch, with hive partition values added as constant text columns."""
+def _with_partition(file: str, batch, partition: dict, columns: list[str]):
+    """The batch, with hive partition values added as constant text columns. Where the file has
+    the column too (Parquet), its values must be the folder's: else one would replace the other."""
     if not partition:
         return batch
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     arrays = {name: batch.column(name) for name in batch.schema.names}
     for name, value in partition.items():
-        if name in columns:
-            arrays[name] = pa.array([value] * batch.num_rows, pa.string())
+        if name not in columns:
+            continue
+        if name in arrays:
+            own = pc.cast(arrays[name], pa.string())
+            differ = pc.filter(own, pc.not_equal(own, pa.scalar(value, pa.string())))
+            if len(differ):
+                raise InputError(f"{file}: column {name!r} holds {differ[0].as_py()!r} where its folder's name says "
+                                 f"{name}={value}: rename the column or the folder")
+        arrays[name] = pa.array([value] * batch.num_rows, pa.string())
     return pa.record_batch([arrays[c] for c in columns], names=columns)
 
 
