@@ -52,8 +52,9 @@ def _load_schema(path: Path, where: str) -> dict[str, Any]:
     return schema
 
 
-_BOUNDS = (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
-           ("minProperties", "maxProperties"))
+# each pair of bounds, and the types it holds for: a value of another type escapes it
+_BOUNDS = (("minimum", "maximum", {"integer", "number"}), ("minLength", "maxLength", {"string"}),
+           ("minItems", "maxItems", {"array"}), ("minProperties", "maxProperties", {"object"}))
 
 
 def unsatisfiable(schema: Any, where: str = "#"):
@@ -63,15 +64,23 @@ def unsatisfiable(schema: Any, where: str = "#"):
     for at, node in _schemas(schema, where):
         if node.get("enum") == []:
             yield at, "enum is empty"
-        for lo, hi in _BOUNDS:
+        types = _types(node)
+        for lo, hi, kinds in _BOUNDS:
             a, b = node.get(lo), node.get(hi)
-            if _number(a) and _number(b) and a > b:
+            if _number(a) and _number(b) and a > b and types and types <= kinds:
                 yield at, f"{lo} {a} is over {hi} {b}"
         props = node.get("properties")
-        if node.get("additionalProperties") is False and isinstance(props, dict) and "patternProperties" not in node:
-            for name in node.get("required") or []:
+        if (node.get("additionalProperties") is False and isinstance(props, dict) and "patternProperties" not in node
+                and types == {"object"} and isinstance(node.get("required"), list)):
+            for name in node["required"]:
                 if isinstance(name, str) and name not in props:
                     yield at, f"requires {name!r}, which additionalProperties: false forbids (not in properties)"
+
+
+def _types(node: dict) -> set:
+    """The types a schema allows by its `type` (empty: any)."""
+    kind = node.get("type")
+    return {kind} if isinstance(kind, str) else {k for k in kind if isinstance(k, str)} if isinstance(kind, list) else set()
 
 
 def _number(x: Any) -> bool:
@@ -86,7 +95,7 @@ def _schemas(node: Any, where: str):
         return
     yield where, node
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-    for name in node.get("required") or []:
+    for name in node.get("required") if isinstance(node.get("required"), list) else []:
         if isinstance(name, str) and name in props:
             yield from _schemas(props[name], f"{where}/properties/{name}")
     for i, sub in enumerate(node.get("allOf") or []):

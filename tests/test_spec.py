@@ -356,16 +356,24 @@ def test_schema_that_is_not_json_schema(make_job, tmp_path):
 
 @pytest.mark.parametrize("schema, refused", [
     ({"type": "object", "properties": {"v": {"enum": []}}, "required": ["v"]}, "#/properties/v: enum is empty"),
+    # a value of a type the bounds do not hold for fits: no type, or a type besides theirs
+    ({"type": "object", "properties": {"n": {"minimum": 5, "maximum": 1}}, "required": ["n"]}, None),
+    ({"type": "object", "properties": {"n": {"type": ["integer", "null"], "minimum": 5, "maximum": 1}},
+      "required": ["n"]}, None),
+    ({"properties": {"a": {}}, "required": ["zzz"], "additionalProperties": False}, None),  # a string fits
     ({"type": "object", "properties": {"v": {"enum": []}}}, None),  # optional: an output may leave it out
     ({"properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["n"]},
      "#/properties/n: minimum 5 is over maximum 1"),
-    ({"properties": {"t": {"type": "array", "minItems": 1, "items": {"minLength": 3, "maxLength": 2}}},
+    ({"properties": {"t": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 3,
+                                                                       "maxLength": 2}}},
       "required": ["t"]}, "#/properties/t/items: minLength 3 is over maxLength 2"),
-    ({"properties": {"t": {"type": "array", "items": {"minLength": 3, "maxLength": 2}}}, "required": ["t"]}, None),
-    ({"properties": {"a": {"type": "string"}}, "required": ["a", "zzz"], "additionalProperties": False},
-     "#: requires 'zzz', which additionalProperties: false forbids (not in properties)"),
+    ({"properties": {"t": {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 2}}},
+      "required": ["t"]}, None),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "zzz"],
+      "additionalProperties": False}, "#: requires 'zzz', which additionalProperties: false forbids (not in properties)"),
     ({"anyOf": [{"enum": []}, {"type": "object"}]}, None),  # another branch fits
-    ({"allOf": [{"minProperties": 3, "maxProperties": 1}]}, "#/allOf/0: minProperties 3 is over maxProperties 1"),
+    ({"allOf": [{"type": "object", "minProperties": 3, "maxProperties": 1}]},
+     "#/allOf/0: minProperties 3 is over maxProperties 1"),
 ])
 def test_a_schema_no_value_can_fit_is_refused_when_the_job_loads(make_job, schema, refused):
     """validate said OK; every row then failed (and the fake engine stopped with a traceback)."""
