@@ -79,27 +79,36 @@ def held(database: Path, job_name: str) -> bool:
     what must not be done under a running job (its engine log moved away). Read from the pid the
     holder writes into the lock file (emptied on release; a killed holder's pid names no process),
     not by taking the lock: a run starting at that moment would find it taken and exit 75."""
-    return holder(database, job_name) is not None
+    return _alive_pid(lock_path(database, job_name)) is not None
+
+
+def _alive_pid(path: Path) -> Optional[int]:
+    """The pid written in the lock file, if a process has it. Errs towards held: a pid a killed
+    holder left and another process got later reads as held (see holder)."""
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:  # no lock file: nothing ever ran
+        return None
+    return int(text) if text.isdigit() and process_alive(int(text)) else None
 
 
 def holder(database: Path, job_name: str) -> Optional[int]:
-    """The pid of the process that may hold the job's lock now (see held), or None. A killed
+    """The pid of the process that holds the job's lock now, as `status` says it, or None. A killed
     holder's pid stays in the file, and another process may get that pid later: where the kernel
-    lists its locks (/proc/locks), the pid counts only if it, or the file, holds one."""
+    lists its locks (/proc/locks), the pid counts only if it, or the file, holds one. (held() does
+    not ask: a filesystem whose locks the kernel does not list, FUSE's, would read as unlocked.)"""
     path = lock_path(database, job_name)
-    try:
-        text = path.read_text(errors="replace").strip()
-        st = path.stat()
-    except OSError:  # no lock file: nothing ever ran
-        return None
-    if not (text.isdigit() and process_alive(int(text))):
-        return None
-    locks = flock_holders()
+    pid = _alive_pid(path)
+    locks = flock_holders() if pid is not None else None
     if locks is None:
-        return int(text)
+        return pid
+    try:
+        st = path.stat()
+    except OSError:
+        return None
     pids, files = locks
     # either may miss: another pid namespace lists other pids, an overlay filesystem other inodes
-    return int(text) if int(text) in pids or (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in files else None
+    return pid if pid in pids or (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in files else None
 
 
 def flock_holders(proc_locks: str = "/proc/locks") -> Optional[tuple[set[int], set[tuple[int, int, int]]]]:

@@ -242,8 +242,12 @@ def _load(shown: Path, raw: dict[str, Any], check_engine: bool = True) -> Job:
         raise SpecError(f"{shown}: engine.config: file not found: {cfg_path}")
     engine = load_engine_config(cfg_path, overrides, shown)
     try:
-        # a path is relative to the file that gives it: the job (or --set: the job's folder), or the config
-        model_path = resolve_model(engine.model, base if "model" in overrides else cfg_path.parent)
+        # a path is relative to the file that gives it: the job (or --set: the job's folder), or the
+        # config; a job's path found only beside the config is taken from there (runner 0.2.0 read it so)
+        model_path = resolve_model(engine.model, cfg_path.parent)
+        if "model" in overrides:
+            beside_job = resolve_model(engine.model, base)
+            model_path = beside_job if beside_job.exists() or not model_path.exists() else model_path
     except ModelError as exc:
         where = EngineSettingSource(overrides, engine, cfg_path, shown)
         raise ModelError(f"{where('model')}: {exc}") from None

@@ -36,7 +36,12 @@ class HistoryRecords:
 
     def adopt_uncut_rows(self, job_name: str, old: str, new: str, room: int) -> int:
         """Give the job's rows of fingerprint `old` that input.on_too_long cannot have touched (see
-        uncut_within) the fingerprint `new`. Returns how many."""
+        uncut_within) the fingerprint `new`. Returns how many. Read first: once adopted, the old
+        fingerprint stays known, and a write transaction on every later run would hold the file."""
+        with self.engine.connect() as conn:
+            if not conn.exec_driver_sql("SELECT 1 FROM results WHERE job_name = ? AND fingerprint = ? LIMIT 1",
+                                        (job_name, old)).first():
+                return 0
         with self._tx() as conn:
             return conn.exec_driver_sql(
                 f"UPDATE results SET fingerprint = ? WHERE job_name = ? AND fingerprint = ? AND {uncut_within('results')}",

@@ -564,6 +564,9 @@ def test_a_model_path_in_the_job_is_relative_to_the_job_file_as_every_path_there
     del spec["engine"]["model"]
     path.write_text(yaml.safe_dump(spec))
     assert load_job(path).model_path == (tmp_path / "configs" / "configs-relative" / "none").resolve()
+    # a job's path found only beside the engine config, as runner 0.2.0 read it, still loads
+    shutil.copytree(tiny_model_dir, tmp_path / "configs" / "old")
+    assert load_job(path, ["engine.model=old"]).model_path == (tmp_path / "configs" / "old").resolve()
 
 
 @pytest.mark.parametrize("text, why", [
