@@ -69,7 +69,7 @@ def held_out_job(job_path: Path, work: Path, holdout: float) -> dict:
     import pyarrow.parquet as pq
 
     from runner.distill import held_out
-    from runner.readers import input_files
+    from runner.input_paths import input_files
     from runner.spec import load_job
 
     job = load_job(job_path)

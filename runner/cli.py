@@ -94,7 +94,7 @@ def _engine_output(spec, verbose: bool, command: str):
     """vLLM's and torch's output: to the job's log file beside its database, or to stderr (-v)."""
     from runner.console import LOG_KEEP_BYTES, engine_output_to, log_path_for, rotate_if_large
     from runner.lock import held
-    from runner.store_sqlite import refuse_unwritable, refuse_unwritable_beside
+    from runner.store_paths import refuse_unwritable, refuse_unwritable_beside
 
     db = spec.database_path
     if not (db.is_file() and os.access(db, os.W_OK)):  # where it goes: as validate says it, not as the log fails

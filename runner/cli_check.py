@@ -23,7 +23,8 @@ def validate(job, overrides):
     from runner.models import is_model_dir, missing_model
     from runner.readers import LocalReader
     from runner.spec import load_job
-    from runner.store_sqlite import check_database, refuse_unwritable
+    from runner.store_paths import refuse_unwritable
+    from runner.store_sqlite import check_database
     from runner.summary import plural
 
     spec = load_job(job, overrides)

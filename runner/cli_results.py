@@ -50,7 +50,8 @@ def _database_here(db: Path, job_name) -> None:
     """NotFound where nothing is at `db` yet (the job has not run); StoreError where something else
     is in the way (a folder, a path through a file), which a run would fail on too."""
     from runner.errors import NotFound, StoreError
-    from runner.store_sqlite import nearest_existing, table_names
+    from runner.store_paths import nearest_existing
+    from runner.store_sqlite import table_names
 
     if db.is_file():
         # An empty file (`touch`ed, or left by a tool) holds no results: reading it must not write

@@ -10,112 +10,16 @@ pyarrow.dataset. RayDataReader reads through Ray Data for the `ray` executor.
 """
 from __future__ import annotations
 
-import glob
 import os
 from pathlib import Path
 from typing import Iterator, Optional
 
 from runner import json_lines
 from runner.blocks import Resumable
+from runner.input_paths import file_format, input_files
 from runner.csv_quotes import explain_csv_error, refuse_open_quote
 from runner.errors import InputError
 from runner.spec import InputSpec
-
-
-# File name endings of each input format; input.format names one, else the ending decides.
-EXTENSIONS = {"parquet": (".parquet", ".pq"), "jsonl": (".jsonl", ".ndjson", ".json"), "csv": (".csv",),
-              "openai-batch": (".jsonl",)}
-# Text formats compressed as a whole file (docs.jsonl.gz): pyarrow reads these codecs by the ending.
-COMPRESSED = (".gz", ".bz2")
-_COMPRESSIBLE = ("jsonl", "csv", "openai-batch")
-
-
-def _endings(fmt: str) -> tuple[str, ...]:
-    """The name endings of one format, with its compressed forms."""
-    plain = EXTENSIONS[fmt]
-    return plain + tuple(e + c for e in plain for c in COMPRESSED) if fmt in _COMPRESSIBLE else plain
-
-
-def file_format(file: str, declared: Optional[str]) -> str:
-    """The format a file is read as: input.format, else its name's ending (docs.csv.gz is CSV)."""
-    if declared:
-        return declared
-    for fmt in EXTENSIONS:
-        if file.lower().endswith(_endings(fmt)):
-            return fmt
-    raise InputError(f"{file}: cannot tell the input format from the name; set input.format "
-                     f"({', '.join(EXTENSIONS)})")
-
-
-def input_files(path: str, declared: Optional[str] = None) -> list[str]:
-    """The files a job's input path names: a file, a folder (its files of the format, or of any
-    known format), or a glob. Below a folder or a glob's fixed part, names that begin with `_` or
-    `.` are left out, as pyarrow, Spark and Hive leave them (_SUCCESS, _temporary/, .part-0.crc),
-    unless the glob names such a part itself (data/_2024_*.parquet); linked folders are followed,
-    each file read once."""
-    endings = _endings(declared) if declared else tuple(e for fmt in EXTENSIONS for e in _endings(fmt))
-    if any(ch in path for ch in "*?["):
-        root = _fixed_part(path)
-        named = {part[0] for part in Path(os.path.relpath(path, root)).parts if part.startswith(("_", "."))}
-        files = _once(sorted(f for f in glob.glob(path, recursive=True)
-                             if os.path.isfile(f) and not _hidden(os.path.relpath(f, root), named)))
-    elif os.path.isdir(path):
-        files = sorted(f for f in _walk(path) if os.path.basename(f).lower().endswith(endings))
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        raise InputError(f"{path}: input file not found")
-    if not files:
-        raise InputError(f"{path}: no input files match (Parquet, JSON Lines, CSV: {', '.join(sorted(set(endings)))}; "
-                         "names that begin with _ or . are left out unless the pattern names them)")
-    return files
-
-
-def _hidden(relative: str, named: set[str] = frozenset()) -> bool:
-    """A path below the input's folder with a part that begins with `_` or `.` (but not with one the
-    pattern's own parts begin with: `named`)."""
-    return any(part[0] in "_." and part[0] not in named and part not in (".", "..") for part in Path(relative).parts)
-
-
-def _fixed_part(pattern: str) -> str:
-    """The folder a glob's pattern starts from: its parts before the first with a wildcard."""
-    parts = Path(pattern).parts
-    fixed = next((i for i, part in enumerate(parts) if any(ch in part for ch in "*?[")), len(parts))
-    return str(Path(*parts[:fixed])) if fixed else "."
-
-
-def _once(files: list[str]) -> list[str]:
-    """Each file once, by its first name: `**` through a link back up names the same files again."""
-    seen: set[str] = set()
-    return [f for f in files if not (os.path.realpath(f) in seen or seen.add(os.path.realpath(f)))]
-
-
-def _walk(folder: str) -> Iterator[str]:
-    """The files below folder, through links to folders outside it, without hidden names (_hidden).
-    A link to a folder inside it is left to the folder's own path (a hive partition's key=value
-    is in that path, not the link's); each real folder is read once."""
-    root = os.path.realpath(folder)
-    seen = set()
-    for top, dirs, names in os.walk(folder, followlinks=True):
-        real = os.path.realpath(top)
-        if real in seen:
-            dirs[:] = []
-            continue
-        seen.add(real)
-        dirs[:] = sorted(d for d in dirs if not _hidden(d) and not _link_inside(os.path.join(top, d), root))
-        for name in names:
-            f = os.path.join(top, name)
-            if not _hidden(name) and os.path.isfile(f):
-                yield f
-
-
-def _link_inside(path: str, root: str) -> bool:
-    """A link to a folder within root (or root itself) that the walk reaches by its own path (not
-    below a hidden name: `current -> _staging/v2` is read through the link)."""
-    if not os.path.islink(path):
-        return False
-    target = os.path.realpath(path)
-    return target == root or target.startswith(root + os.sep) and not _hidden(os.path.relpath(target, root))
 
 
 def _is_parquet(file: str) -> bool:

@@ -7,7 +7,8 @@ import pytest
 
 from runner.errors import InputError
 from runner.inputs import read_documents, scan_input as _scan_input
-from runner.readers import LocalReader, input_files
+from runner.input_paths import input_files
+from runner.readers import LocalReader
 from runner.spec import InputSpec
 from tests.conftest import write_docs
 
