@@ -14,7 +14,8 @@ import sys
 import click
 
 from runner import __version__
-from runner.cli_output import one_line, run_summary, say, warn
+from runner.cli_output import run_summary, say, warn
+from runner.summary import one_line
 from runner.process_clock import note_process_start, take_start
 from runner.scratch import remove_scratch
 from runner.errors import OutputClosed, RunnerError

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import errno
-import unicodedata
 
 import click
 
@@ -30,14 +29,6 @@ def stdout_error(exc: OSError) -> RunnerError:
 
 def warn(message: str) -> None:
     click.echo(message, file=console().err)
-
-
-def one_line(message: str, limit: int = 800) -> str:
-    """Messages from libraries (vLLM, pydantic) can span many lines; an error is one line. Control
-    characters (the NULs of binary data a library quotes) are written as escapes, not sent to the terminal."""
-    text = " ".join(message.split())
-    text = text if len(text) <= limit else text[: limit - 3] + "..."  # cut first: an escape stays whole
-    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" else c for c in text)
 
 
 def table(rows: list[tuple[str, object]]) -> str:

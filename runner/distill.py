@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from runner.engines import Request
 from runner.errors import ModelError, RunnerError
 from runner.fingerprint import result_fingerprint
 from runner.lock import JobLock
@@ -27,7 +28,6 @@ from runner.plan import Group, group_key
 from runner.prompting import PromptBuilder, builder_for
 from runner.readers import LocalReader
 from runner.requests import RequestBuilder
-from runner.engines.base import Request
 from runner.spec import Job
 from runner.store import Store
 

@@ -32,7 +32,8 @@ def compile_schema(schema: Any) -> Optional[Check]:
         return None
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
+    """A JSON number: an int or a float, not a bool."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -40,8 +41,8 @@ _TYPES: dict[str, Check] = {
     "object": lambda v: isinstance(v, dict),
     "array": lambda v: isinstance(v, list),
     "string": lambda v: isinstance(v, str),
-    "number": _is_number,
-    "integer": lambda v: _is_number(v) and (isinstance(v, int) or v.is_integer()),
+    "number": is_number,
+    "integer": lambda v: is_number(v) and (isinstance(v, int) or v.is_integer()),
     "boolean": lambda v: isinstance(v, bool),
     "null": lambda v: v is None,
 }
@@ -51,7 +52,7 @@ def _json_equal(a: Any, b: Any) -> bool:
     """Equality as JSON Schema means it: 1 equals 1.0, but true is not 1."""
     if isinstance(a, bool) or isinstance(b, bool):
         return isinstance(a, bool) and isinstance(b, bool) and a == b
-    if _is_number(a) and _is_number(b):
+    if is_number(a) and is_number(b):
         return a == b
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
@@ -126,9 +127,9 @@ class _Compiler:
         bounds = [(b, op) for b, op in bounds if b is not None]
         if not bounds:
             return None
-        if not all(_is_number(b) for b, _ in bounds):
+        if not all(is_number(b) for b, _ in bounds):
             raise _Unsupported(s)  # draft-4 boolean exclusive bounds
-        return lambda v: not _is_number(v) or all(op(v, b) for b, op in bounds)
+        return lambda v: not is_number(v) or all(op(v, b) for b, op in bounds)
 
     def _object(self, s: dict) -> Optional[Check]:
         props = {k: self.compile(v) for k, v in s.get("properties", {}).items()}

@@ -238,10 +238,10 @@ def check_first_prompt(job, builder: PromptBuilder, documents) -> Optional[str]:
     try:
         user = builder.user_text(doc)
     except (KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
-        why = " ".join(str(exc).split())
-        why = why if len(why) <= 200 else why[:197] + "..."
+        from runner.summary import one_line
+
         return (f"the first row (id {doc.row_id!r}) does not fit prompts.user_template ({exc.__class__.__name__}: "
-                f"{why}): a run stores each such row failed; runner plan counts them")
+                f"{one_line(str(exc), 200)}): a run stores each such row failed; runner plan counts them")
     try:
         builder.prompt_ids(doc.system_prompt, user)
     except TemplateError as exc:

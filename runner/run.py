@@ -104,12 +104,12 @@ def run_job(job: Job, engine_factory: Callable[[Job], Engine] = build_engine, op
 
 def _run(job: Job, engine_factory: Callable[[Job], Engine], opts: RunOptions) -> RunSummary:
     # Bad input or a missing model stops the run here, before anything is written.
-    scan = LocalReader(job.input_path, job.spec.input).scan(keep_ids=True)  # the driver checks its input
+    reader = LocalReader(job.input_path, job.spec.input)
+    scan = reader.scan(keep_ids=True)  # the driver checks its input
     try:
         builder = builder_for(job)
         # a chat template that refuses the first row stops the run, as it stops validate and plan
-        check_first_prompt(job, builder, LocalReader(job.input_path, job.spec.input).documents(job.system_source,
-                                                                                               scan.skip))
+        check_first_prompt(job, builder, reader.documents(job.system_source, scan.skip))
         t_lock = opts.clock()
         with JobLock(job.database_path, job.name, wait=opts.wait, on_wait=opts.notify):
             opts = replace(opts, lock_wait_s=opts.clock() - t_lock)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import SpecError
+from runner.fast_schema import is_number
 
 
 def load_schema(path: Path, where: str) -> dict[str, Any]:
@@ -67,7 +68,7 @@ def unsatisfiable(schema: Any, where: str = "#"):
         types = _types(node)
         for lo, hi, kinds in _BOUNDS:
             a, b = node.get(lo), node.get(hi)
-            if _number(a) and _number(b) and a > b and types and types <= kinds:
+            if is_number(a) and is_number(b) and a > b and types and types <= kinds:
                 yield at, f"{lo} {a} is over {hi} {b}"
         props = node.get("properties")
         if (node.get("additionalProperties") is False and isinstance(props, dict) and "patternProperties" not in node
@@ -83,10 +84,6 @@ def _types(node: dict) -> set:
     return {kind} if isinstance(kind, str) else {k for k in kind if isinstance(k, str)} if isinstance(kind, list) else set()
 
 
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _schemas(node: Any, where: str):
     """(location, subschema) of the schema and of the schemas every value must fit inside it: the
     required properties', allOf's, and the items of an array that must have some. (An optional
@@ -100,7 +97,7 @@ def _schemas(node: Any, where: str):
             yield from _schemas(props[name], f"{where}/properties/{name}")
     for i, sub in enumerate(node.get("allOf") or []):
         yield from _schemas(sub, f"{where}/allOf/{i}")
-    if _number(node.get("minItems")) and node["minItems"] >= 1:
+    if is_number(node.get("minItems")) and node["minItems"] >= 1:
         yield from _schemas(node.get("items"), f"{where}/items")
 
 

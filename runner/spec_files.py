@@ -41,7 +41,8 @@ _PARSING = ("int_parsing", "int_from_float", "float_parsing", "bool_parsing", "i
 
 
 def _got(value: Any) -> str:
-    """What the file gave, for an error about its type: YAML reads `1e9` (no dot) as text."""
+    """What the file gave, for an error about its type: PyYAML reads `1e9` and `1.0e9` (a number
+    with an exponent but no dot, or no sign after the e) as text."""
     import re
 
     if not isinstance(value, (str, int, float)) or len(repr(value)) > 40:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import unicodedata
 from typing import Optional
 
 
@@ -71,3 +72,11 @@ def run_status(run: dict) -> str:
     """A run's status as stats and reports show it: a killed run still marked running says so."""
     gone = f" (its process {run.get('pid')} is gone: killed; the next run marks it interrupted)"
     return run["status"] + (gone if process_gone(run) else "")
+
+
+def one_line(message: str, limit: int = 800) -> str:
+    """Messages from libraries (vLLM, pydantic) can span many lines; an error is one line. Control
+    characters (the NULs of binary data a library quotes) are written as escapes, not sent to the terminal."""
+    text = " ".join(message.split())
+    text = text if len(text) <= limit else text[: limit - 3] + "..."  # cut first: an escape stays whole
+    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" else c for c in text)

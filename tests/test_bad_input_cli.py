@@ -267,7 +267,7 @@ def test_validate_refuses_a_database_that_cannot_be_written(make_job, tmp_path, 
 def test_a_parquet_file_read_as_another_format_is_said_so_and_an_error_line_holds_no_control_bytes(make_job):
     """input.format: csv on a Parquet file gave pyarrow's 600-character message with the file's NULs
     in it, written to the terminal as they were."""
-    from runner.cli_output import one_line
+    from runner.summary import one_line
 
     job = make_job(rows=3)
     out = CliRunner().invoke(cli, ["validate", "--set", "input.format=csv", str(job)])
