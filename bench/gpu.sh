@@ -9,10 +9,12 @@
 # BENCH=bench/speculation.py runs that benchmark instead of bench/bench.py.
 # IMPORTTIME=1 first writes `python -X importtime -c "import vllm"` to /tmp/importtime.txt (where the
 # ~18 s of vLLM's import on the H200 host goes; `wait` copies it to $OUT).
-# The 8B shape was last measured at 81b1f0d (runner_first, then 3 rounds of sorted and runner with
-# the stored calibration, after a warm-up of sorted and runner: 1,079 s of device time in all;
-# staging ~40 s, install ~115 s, the warm-up ~270 s (sorted's first compile 179 s), a round ~160 s;
-# bench/results/2026-12-04-nvidia-h200-8b-steps.json):
+# The 8B shape was last measured at b6250f9 (3 rounds of sorted, runner and cap512 after a warm-up
+# of the three, every runner run calibrating: ~1,280 s of device time in all; staging ~30 s, install
+# ~90 s, the warm-up ~480 s, a round ~230 s; bench/results/2026-12-05-nvidia-h200-8b-cap512.json):
+#   WARMUP="invoices/tight/8b=sorted,runner,cap512" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
+#     --repeats 3 --deadline-s 620 --cases "invoices/tight/8b=sorted,runner,cap512"
+# With a stored calibration (81b1f0d: runner_first, then 3 rounds of sorted and runner; 1,079 s):
 #   WARMUP="invoices/tight/8b=sorted,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
 #     --repeats 3 --deadline-s 800 --cases "invoices/tight/8b=runner_first@1;invoices/tight/8b=sorted,runner"
 # With plain arrival too (fd5ce10: bench/results/2026-12-03-nvidia-h200-8b-feedback.json) a round of
