@@ -205,6 +205,8 @@ def _set_aside(scan: InputScan, ids: list, seen: RowIds) -> None:
 
 
 def _refuse_nulls(file: str, spec: InputSpec, ids, texts) -> None:
+    if ids.null_count or texts.null_count:
+        _refuse_non_objects(file, spec)
     if ids.null_count:
         raise InputError(f"{file}: column {spec.id_column!r} (input.id_column) has {plural(ids.null_count, 'null id')} "
                          f"(input.on_bad_row: store runs the other rows)")
@@ -212,6 +214,15 @@ def _refuse_nulls(file: str, spec: InputSpec, ids, texts) -> None:
         first = ids[texts.is_null().to_pylist().index(True)].as_py()
         raise InputError(f"{file}: column {spec.text_column!r} (input.text_column) is null in {plural(texts.null_count, 'row')}, "
                          f"first at id {first!r} (input.on_bad_row: store runs the other rows)")
+
+
+def _refuse_non_objects(file: str, spec: InputSpec) -> None:
+    """A JSON Lines line that is `null` reaches pyarrow's reader as a row of nulls: name the line
+    rather than a null id (the survey parses the file in Python, so only on this error path)."""
+    from runner import input_paths, json_lines
+
+    if input_paths.file_format(file, spec.format) == "jsonl" and (problem := json_lines.survey(file)[0]):
+        raise InputError(f"{file}: {problem}")
 
 
 def read_documents(reader: Reader, system_prompt, skip: frozenset[int] | set[int] = frozenset()) -> Iterator[Document]:

@@ -162,7 +162,7 @@ def _survey(file: str) -> tuple[Optional[str], dict[str, set[str]]]:
         except ValueError as exc:
             return f"line {number}: not valid JSON ({getattr(exc, 'msg', exc)})", kinds
         if not isinstance(value, dict):
-            return f"line {number}: not a JSON object", kinds
+            return f"line {number} holds {json.dumps(value)[:40]}, not a JSON object", kinds
         for key, v in value.items():
             kind = type(v).__name__
             kinds.setdefault(key, set()).add("bigint" if kind == "int" and v not in INT64 else kind)

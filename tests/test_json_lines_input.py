@@ -79,6 +79,18 @@ def test_a_key_that_is_not_utf8_is_one_error_naming_its_line(make_job, tmp_path)
     assert out.output.count("\n") == 1
 
 
+def test_a_line_that_is_not_an_object_is_named(make_job, tmp_path):
+    """A line `null` reached pyarrow as a row of nulls: "has 1 null id", with no line to look at;
+    a number or an array is named by the same words."""
+    job = make_job(job={"input": {"path": "docs.jsonl"}})
+    for line, shown in (("null", "null"), ("5", "5"), ("[1, 2]", "[1, 2]")):
+        (tmp_path / "docs.jsonl").write_text(row(1) + line + "\n" + row(3))
+        for command in ("validate", "run"):
+            out = invoke(command, *(["--engine", "fake"] if command == "run" else []), job)
+            assert out.exit_code == 3 and out.output == f"Error: {tmp_path / 'docs.jsonl'}: line 2 holds {shown}, not a JSON object\n", out.output
+    assert not (tmp_path / "out" / "results.sqlite").exists() or stored(tmp_path) == {}
+
+
 def test_an_empty_json_lines_file_holds_no_rows(make_job, tmp_path):
     """One empty (or blank) file in a folder stopped the job as "corrupt or unreadable" data."""
     folder = tmp_path / "in"
