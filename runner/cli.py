@@ -253,6 +253,8 @@ def main():  # console-script entry point; the guard matters for vLLM's spawned 
     except SystemExit as exc:
         if _finished_run and isinstance(exc.code, (int, type(None))):
             _exit_now(_finished_run["executor"], exc.code or 0)
+        if exc.code == 130:  # stopped, and said so: a second stop during the interpreter's exit
+            ignore_stop_signals(ctrl_c=True)  # would end it by the signal instead of 130
         raise
 
 

@@ -28,7 +28,12 @@ def stdout_error(exc: OSError) -> RunnerError:
 
 
 def warn(message: str) -> None:
-    click.echo(message, file=console().err)
+    """A line to standard error (notes, errors). One that cannot be written (a full disk, a closed
+    pipe) is dropped: a note must not stop the run it is about, and an error exits anyway."""
+    try:
+        click.echo(message, file=console().err)
+    except (OSError, ValueError):
+        pass
 
 
 def table(rows: list[tuple[str, object]]) -> str:

@@ -139,7 +139,7 @@ class RunBar:
         from tqdm import tqdm
 
         self.name = name
-        self.bar = tqdm(total=total, desc=f"{name} (starting the engine)", unit="doc", file=file,
+        self.bar = tqdm(total=total, desc=f"{name} (starting the engine)", unit="doc", file=BestEffort(file),
                         dynamic_ncols=True, mininterval=mininterval, smoothing=0.1)
 
     def engine_started(self) -> None:
@@ -153,3 +153,29 @@ class RunBar:
 
     def close(self) -> None:
         self.bar.close()
+
+
+class BestEffort:
+    """A stream for progress and notes: a write that fails (stderr on a full disk, a reader that
+    stopped reading) drops this and later output instead of stopping the run that makes it."""
+
+    def __init__(self, stream: TextIO):
+        self.stream, self.failed = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.failed:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):  # ValueError: the stream was closed
+                self.failed = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.failed:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.failed = True
+
+    def __getattr__(self, name: str):  # isatty, encoding...: tqdm asks
+        return getattr(self.stream, name)

@@ -226,12 +226,14 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
             choice = _generate(job, engines, collector, source, ctx, partial)
         completed = True
     finally:
-        if ahead is not None:  # the reading thread stops here, read to the end or not
-            ahead.close()
-        collector.flush()  # rows that finished before a failure or a signal are kept
-        engines.stop(completed)
-        if progress is not None and hasattr(progress, "close"):
-            progress.close()
+        try:
+            if ahead is not None:  # the reading thread stops here, read to the end or not
+                ahead.close()
+            collector.flush()  # rows that finished before a failure or a signal are kept
+            engines.stop(completed)
+        finally:  # also where storing failed (a full disk): the Error: line then starts a line of its own
+            if progress is not None and hasattr(progress, "close"):
+                progress.close()
         timing = {"wall_s": clock() - t_start, "before_run_s": t_run - t_start, "wall_from": wall_from}
         if not completed:
             # What the stopped run did, if only start an engine (its own failure must not hide the one

@@ -28,10 +28,29 @@ def raise_interrupted(signum, _frame, after: str = RUN_STOPPED, pid: int = 0):
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
-    # A second SIGTERM while the first unwinds (storing the open batch, marking the run) is ignored:
-    # raised again, it would lose that batch and leave the run row `running`.
-    signal.signal(signum, signal.SIG_IGN)
+    _ignore_stops()
     raise Interrupted(f"stopped by signal {signal.Signals(signum).name}" + (f"; {after}" if after else ""))
+
+
+def raise_keyboard_interrupt(signum, frame, pid: int = 0):
+    """The SIGINT handler: Python's own KeyboardInterrupt, after which further stops are ignored
+    (a second Ctrl-C while the first unwinds lost the open batch and printed a traceback)."""
+    if pid and os.getpid() != pid:
+        signal.default_int_handler(signum, frame)
+    _ignore_stops()
+    raise KeyboardInterrupt
+
+
+def _ignore_stops() -> None:
+    """A second SIGTERM, SIGHUP or Ctrl-C while the first stop unwinds (storing the open batch,
+    marking the run) is ignored: raised again, it would lose that batch and leave the run row
+    `running`. sigterm_interrupts puts the handlers back as it ends."""
+    for s in _STOPS:
+        if s is not None and signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, signal.SIG_IGN)
+
+
+_STOPS = (signal.SIGTERM, getattr(signal, "SIGHUP", None), signal.SIGINT)
 
 
 def _ours(handler) -> bool:
@@ -54,6 +73,8 @@ def sigterm_interrupts(after: str = RUN_STOPPED):
                                   if s is not None and signal.getsignal(s) is not signal.SIG_IGN]
     handler = functools.partial(raise_interrupted, after=after, pid=os.getpid())
     old = {s: signal.signal(s, handler) for s in signals}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored (`cmd &`)
+        old[signal.SIGINT] = signal.signal(signal.SIGINT, functools.partial(raise_keyboard_interrupt, pid=os.getpid()))
     try:
         yield
     finally:
@@ -76,9 +97,10 @@ def handlers_kept():
                 signal.signal(s, handler)
 
 
-def ignore_stop_signals() -> None:
-    """SIGTERM and SIGHUP ignored from here on (a run that completed: what is left is its exit)."""
+def ignore_stop_signals(ctrl_c: bool = False) -> None:
+    """SIGTERM and SIGHUP (and SIGINT with ctrl_c) ignored from here on (a run that completed, or
+    one stopped: what is left is its exit)."""
     if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) + ((signal.SIGINT,) if ctrl_c else ()):
             if s is not None:
                 signal.signal(s, signal.SIG_IGN)

@@ -189,6 +189,41 @@ def test_sigterm_stores_finished_rows_and_marks_the_run_interrupted(make_job, tm
     assert shown.startswith("run 1 ") and "interrupted" in shown and float(speed.split()[-1]) == pytest.approx(docs_per_s, abs=0.01)
 
 
+@pytest.mark.parametrize("first,second", [(signal.SIGINT, signal.SIGINT), (signal.SIGINT, signal.SIGTERM),
+                                          (signal.SIGTERM, signal.SIGINT)])
+def test_a_second_stop_while_the_first_unwinds_is_ignored(make_job, tmp_path, fake_env, first, second):
+    """Two Ctrl-C 20 ms apart (or Ctrl-C and SIGTERM) stored no row, printed a tqdm traceback and no
+    Error: line, and left the run row saying its finished rows were stored."""
+    rows = 3000  # enough finished and unstored at the stop that storing them takes a while
+    job = make_job(rows=rows, job={"output": {"database": "out/results.sqlite", "commit_every_rows": 10_000}})
+    db = tmp_path / "out" / "results.sqlite"
+    env = fake_env | {"RUNNER_FAKE_DELAY_S": "0.0005"}
+    proc = subprocess.Popen(runner_cmd("run", "--engine", "fake", job), env=env, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+    wait_for(lambda: _has_run_row(db), "the run to start")
+    time.sleep(1.0)  # rows finish; none are committed yet
+    proc.send_signal(first)
+    time.sleep(0.005)
+    proc.send_signal(second)
+    _, err = proc.communicate(timeout=60)
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and "%|" not in ln]
+    assert proc.returncode == 130 and len(lines) == 1 and lines[0].startswith("Error: "), err
+    assert "Traceback" not in err and "Exception ignored" not in err
+    assert 0 < len(stored(db)) < rows
+    assert sqlite3.connect(db).execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
+
+
+def _has_run_row(db: Path) -> bool:
+    try:
+        con = sqlite3.connect(db, timeout=30)
+        try:
+            return con.execute("SELECT count(*) FROM runs").fetchone()[0] > 0
+        finally:
+            con.close()
+    except sqlite3.OperationalError:
+        return False
+
+
 def test_nohup_keeps_sighup_ignored(make_job, tmp_path, fake_env):
     job = make_job(rows=ROWS, job={"output": {"commit_every_rows": 1}})
     db = tmp_path / "out" / "results.sqlite"

@@ -1,0 +1,40 @@
+"""The runner's own stderr (progress bar, notes) is best effort: where it cannot be written the
+run goes on; and an error after the bar starts a line of its own (cron logs are searched for it)."""
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from runner.cli import cli
+from runner.errors import StoreError
+
+
+def test_a_run_whose_stderr_cannot_be_written_completes(make_job, tmp_path):
+    """stderr on a full disk (/dev/full): the bar's first write failed and the run was recorded
+    failed, no row stored, exit 1 with nothing said."""
+    job = make_job(rows=30)
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "runner.cli", "run", "--engine", "fake", str(job)],
+                              stdout=subprocess.PIPE, stderr=full, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 0, done.stdout
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    assert con.execute("SELECT status FROM runs").fetchall() == [("completed",)]
+    assert con.execute("SELECT count(*) FROM results WHERE status = 'ok'").fetchone() == (30,)
+
+
+def test_an_error_while_storing_starts_a_line_of_its_own(make_job, monkeypatch):
+    """The last rows' commit failing (a full disk) left the progress bar open: `Error:` was appended
+    to the bar's line, where a search for lines starting with it missed it."""
+    from runner.collect import ResultCollector
+
+    def full(self):
+        raise StoreError("out/results.sqlite: database or disk is full")
+
+    monkeypatch.setattr(ResultCollector, "flush", full)
+    out = CliRunner().invoke(cli, ["run", "--engine", "fake", str(make_job(rows=5))])
+    assert out.exit_code == 6, out.output
+    assert "\nError: out/results.sqlite: database or disk is full\n" in out.output, repr(out.output)
