@@ -29,10 +29,15 @@ def sqlite_engine(path: Path, read_only: bool = False) -> tuple[Any, Optional[tu
     if read_only:
         uri = read_uri(path)
         seen = _signature(path) if uri.endswith(IMMUTABLE) else None  # decided once, with the URI
-        engine = create_engine(f"sqlite:///{path}", creator=lambda: sqlite3.connect(
-            uri, uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000))
+        connect = lambda: sqlite3.connect(uri, uri=True, check_same_thread=False,  # noqa: E731
+                                          timeout=BUSY_TIMEOUT_MS / 1000)
     else:
-        engine = create_engine(f"sqlite:///{path}")
+        connect = lambda: sqlite3.connect(str(path), check_same_thread=False,  # noqa: E731
+                                          timeout=BUSY_TIMEOUT_MS / 1000)
+    # The file is opened by name, not through a URL: `#`, `?` or `%` in a path (out/team#2/) cut it
+    # short there, and the run wrote another file than the one its lock and log are beside. The URL
+    # only tells SQLAlchemy that this is a file database (its pool for one).
+    engine = create_engine("sqlite:///database-file", creator=connect)
     event.listen(engine, "connect", _read_pragmas if read_only else _pragmas)
     event.listen(engine, "begin", _begin)
     event.listen(engine, "handle_error", lambda ctx: _damaged(path, ctx.original_exception, seen))
@@ -149,7 +154,7 @@ class DoneFilter:
         if self._closed:  # a reading thread that outlived its run must not open the database again
             raise RuntimeError("the done-row filter is closed")
         if self._con is None:
-            self._con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000,
+            self._con = sqlite3.connect(f"file:{quote(str(self.path))}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000,
                                         check_same_thread=False)
         out: set[str] = set()
         for start in range(0, len(ids), self.BATCH):

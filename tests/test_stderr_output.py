@@ -38,3 +38,19 @@ def test_an_error_while_storing_starts_a_line_of_its_own(make_job, monkeypatch):
     out = CliRunner().invoke(cli, ["run", "--engine", "fake", str(make_job(rows=5))])
     assert out.exit_code == 6, out.output
     assert "\nError: out/results.sqlite: database or disk is full\n" in out.output, repr(out.output)
+
+
+def test_a_database_path_with_url_characters_is_the_file_named(make_job, tmp_path):
+    """`#`, `?` or `%` in the database's path: the run wrote to out/team (cut at `#`) and then
+    failed with a traceback, or wrote out/v while its lock and log were in out/v?1/."""
+    for folder in ("team#2", "v?1", "a%20b"):
+        job = make_job(rows=6, job={"output": {"database": f"out/{folder}/r.sqlite"}})
+        out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)])
+        assert out.exit_code == 0, out.output
+        db = tmp_path / "out" / folder / "r.sqlite"
+        assert sqlite3.connect(db).execute("SELECT count(*) FROM results").fetchone() == (6,)
+        again = CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)])  # resumes: nothing to do
+        assert again.exit_code == 0 and sqlite3.connect(db).execute("SELECT count(*) FROM runs").fetchone() == (2,)
+        stats = CliRunner().invoke(cli, ["stats", "--db", str(db)])
+        assert stats.exit_code == 0 and "ok 6" in stats.output, stats.output
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a%20b", "team#2", "v?1"]
