@@ -43,10 +43,12 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     unless the glob names such a part itself (data/_2024_*.parquet); linked folders are followed,
     each file read once."""
     endings = _endings(declared) if declared else tuple(e for fmt in EXTENSIONS for e in _endings(fmt))
-    if any(ch in path for ch in "*?["):
-        root = _fixed_part(path)
+    if any(ch in path for ch in "*?[") and not os.path.exists(path):  # a file named lit[1].jsonl is that file
+        literal = _existing_folder(path)  # `[x]` in the job's own folder is not a pattern
+        root = max(_fixed_part(path), literal, key=len)
         named = {part[0] for part in Path(os.path.relpath(path, root)).parts if part.startswith(("_", "."))}
-        files = _once(sorted(f for f in glob.glob(path, recursive=True)
+        pattern = os.path.join(glob.escape(literal), os.path.relpath(path, literal)) if literal else path
+        files = _once(sorted(f for f in glob.glob(pattern, recursive=True)
                              if os.path.isfile(f) and not _hidden(os.path.relpath(f, root), named)))
     elif os.path.isdir(path):
         files = sorted(f for f in _walk(path) if os.path.basename(f).lower().endswith(endings))
@@ -64,6 +66,15 @@ def _hidden(relative: str, named: set[str] = frozenset()) -> bool:
     """A path below the input's folder with a part that begins with `_` or `.` (but not with one the
     pattern's own parts begin with: `named`)."""
     return any(part[0] in "_." and part[0] not in named and part not in (".", "..") for part in Path(relative).parts)
+
+
+def _existing_folder(pattern: str) -> str:
+    """The longest leading part of the pattern that is a folder as written ("" if none)."""
+    parts = Path(pattern).parts
+    for i in range(len(parts) - 1, 0, -1):
+        if os.path.isdir(os.path.join(*parts[:i])):
+            return os.path.join(*parts[:i])
+    return ""
 
 
 def _fixed_part(pattern: str) -> str:

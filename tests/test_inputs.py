@@ -233,6 +233,20 @@ def test_a_glob_reads_the_underscore_names_it_names_and_each_file_once(tmp_path)
     assert len(input_files(str(tmp_path / "data" / "**" / "_2024_*.parquet"))) == 1
 
 
+def test_wildcard_characters_in_a_path_that_exists_are_the_names_themselves(tmp_path):
+    """A job in `team [x]/` (or a file named lit[1].parquet) was read as a pattern: "no input files match"."""
+    folder = tmp_path / "team [x]"
+    write_docs(folder / "data" / "a.parquet", 2)
+    write_docs(folder / "data" / "lit[1].parquet", 2)
+    write_docs(tmp_path / "team x" / "data" / "b.parquet", 2)  # what `[x]` would match as a pattern
+    assert input_files(str(folder / "data" / "lit[1].parquet")) == [str(folder / "data" / "lit[1].parquet")]
+    assert [f.rsplit("/", 1)[1] for f in input_files(str(folder / "data" / "*.parquet"))] == ["a.parquet", "lit[1].parquet"]
+    assert input_files(str(folder / "data" / "a*.parquet")) == [str(folder / "data" / "a.parquet")]
+    assert input_files(str(folder / "data")) == sorted(input_files(str(folder / "data" / "*.parquet")))
+    # a pattern in a folder that does not exist as written is still a pattern
+    assert [f.rsplit("/", 1)[1] for f in input_files(str(tmp_path / "team ?" / "data" / "*.parquet"))] == ["b.parquet"]
+
+
 def test_a_prefetch_dropped_unread_stops_its_thread():
     """Dropped without close() and before its first item (a caller that failed early), the
     reading thread still stops: it does not hold the Prefetched alive."""
