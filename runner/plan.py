@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional
 
 from runner.prompting import Document, PromptBuilder, render_user
+from runner.summary import one_line
 
 DEFAULT_BLOCK_TOKENS = 16  # vLLM caches prefixes in whole KV blocks (16 tokens on GPU unless configured)
 
@@ -217,7 +218,8 @@ def _count(docs: list[Document], builder: PromptBuilder | CharEstimate, groups: 
         key = group_key(system)
         g = groups.get(key)
         if g is None:
-            preview = (system or "(no system prompt)").strip().replace("\n", " ")[:60]
+            # escaped: a document's control characters (an OSC title, a `\r` overwrite) never reach the terminal
+            preview = one_line((system or "(no system prompt)").strip(), limit=60)
             g = groups[key] = GroupSummary(key, preview, prefix_tokens=builder.system_prefix_tokens(system))
         if isinstance(builder, CharEstimate):
             _estimate(rows, system, g, builder, bound.block_tokens, summary)

@@ -149,3 +149,21 @@ def test_bounded_bound_equals_the_unbounded_rule_with_shared_preambles():
         small = PrefixCacheBound(block_tokens=bs, max_blocks=50)  # forgetting: never above the rule
         assert 0 < sum(small.add(ids, head) for ids, head in keyed) <= reference_bound(prompts, bs)
         assert len(b._seen) < sum(len(p) for p in prompts) // bs // 4  # not every block of every row
+
+
+def test_plan_escapes_control_characters_of_a_system_prompt(make_job, tmp_path):
+    """A system prompt from the input with an escape sequence (a terminal title) and a `\\r` went to
+    the terminal as they were: `plan` printed what the data held."""
+    import json
+
+    from click.testing import CliRunner
+
+    from runner.cli import cli
+
+    docs = tmp_path / "data" / "docs.jsonl"
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(json.dumps({"id": "a", "text": "t", "system_prompt": "x \x1b]0;pwned\x07 \r OVERWRITTEN"}) + "\n")
+    out = CliRunner().invoke(cli, ["plan", str(make_job(docs=docs))])
+    assert out.exit_code == 0, out.output
+    assert "\x1b" not in out.output and "\x07" not in out.output and "\r" not in out.output
+    assert "\\x1b]0;pwned\\x07" in out.output
