@@ -34,6 +34,8 @@ def format_for(output: str, given: Optional[str]) -> str:
         raise SpecError(f"{output}: the file's name says {named}, --format says {given}")
     if given or named:
         return given or named
+    if output != "-" and os.path.isdir(output):  # what is wrong first: no file name can be written there
+        raise OutputFileError(f"{output}: is a folder: give a file name")
     where = "standard output" if output == "-" else f"{output}: a name ending in none of {', '.join(_SUFFIXES)}"
     raise SpecError(f"--format: give parquet, csv or jsonl for {where}")
 

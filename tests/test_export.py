@@ -236,6 +236,7 @@ def test_a_folder_as_the_output_is_one_error_line_and_the_format_is_read_in_any_
     assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
     (tmp_path / "folder").mkdir()
     for args in (("export", "--job", job, "--format", "csv", "-o", tmp_path / "folder"),
+                 ("export", "--job", job, "-o", tmp_path / "folder"),  # was "--format: give parquet...", exit 2
                  ("report", "1", "--job", job, "-o", tmp_path / "folder")):
         out = invoke(*args)
         assert out.exit_code == 6 and out.output == f"Error: {tmp_path / 'folder'}: is a folder: give a file name\n", (args, out.output)
