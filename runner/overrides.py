@@ -24,18 +24,33 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             if not isinstance(node[part], dict):
                 raise SpecError(f"--set {item}: {'.'.join(parts[:i + 1])} is not a section")
             node = node[part]
-        node[parts[-1]] = value
+        if len(parts) == 1 and isinstance(value, dict) and isinstance(node.get(key.strip()), dict):
+            _merge(node[key.strip()], value)  # a whole section: key by key, as dotted keys would set it
+        else:
+            node[parts[-1]] = value
     return raw
+
+
+def _merge(section: dict, value: dict) -> None:
+    for k, v in value.items():
+        if isinstance(v, dict) and isinstance(section.get(k), dict):
+            _merge(section[k], v)
+        else:
+            section[k] = v
 
 
 def _value(text: str) -> Any:
     """A value as YAML reads it (64, true, null, [a, b]), except where YAML would turn text into a
     structure the user did not write as one: `Note: be brief` and `{title}: {text}` stay text."""
+    stripped = text.strip()
     try:
         value = yaml.safe_load(text)
-    except yaml.YAMLError:
+    except yaml.YAMLError as exc:
+        # `[a, b` is a list with its end missing, not a stop string; `[INST] {text}` is text
+        for start, end in (("[", "]"), ("{", "}")):
+            if stripped.startswith(start) and end not in stripped:
+                raise SpecError(f"--set value {text!r}: not valid YAML ({str(exc).splitlines()[0]})") from None
         return text
-    stripped = text.strip()
     if isinstance(value, list) and not stripped.startswith("[") or \
             isinstance(value, dict) and not _is_flow_mapping(stripped, value):
         return text

@@ -205,3 +205,24 @@ def test_a_template_given_with_set_stays_text_and_a_mapping_stays_a_mapping():
                                "engine.extra_args={seed: 3, enforce_eager: true}", "sampling.extra_args={a: null}"])
     assert got == {"prompts": {"user_template": "{text:>20}", "system_template": "{title:05d}"},
                    "engine": {"extra_args": {"seed": 3, "enforce_eager": True}}, "sampling": {"extra_args": {"a": None}}}
+
+
+def test_a_whole_section_given_with_set_merges_and_a_broken_list_is_refused():
+    """`--set sampling={max_tokens: 100}` replaced the section (the job's other sampling settings
+    gone without a word); `--set sampling.stop=[a, b` was the stop string "[a, b"."""
+    import pytest
+
+    from runner.errors import SpecError
+    from runner.overrides import apply_overrides
+
+    job = {"sampling": {"max_tokens": 160, "retry_repetition_penalty": 1.2},
+           "engine": {"config": "c.yaml", "calibration": {"rows": 64, "max_draft_tokens": 6}}}
+    got = apply_overrides(job, ["sampling={max_tokens: 100}", "engine={max_num_seqs: 4}"])
+    assert got == {"sampling": {"max_tokens": 100, "retry_repetition_penalty": 1.2},
+                   "engine": {"config": "c.yaml", "max_num_seqs": 4, "calibration": {"rows": 64, "max_draft_tokens": 6}}}
+    for broken in ("sampling.stop=[a, b", "engine.extra_args={seed: 3"):
+        with pytest.raises(SpecError, match="not valid YAML"):
+            apply_overrides({}, [broken])
+    # text YAML cannot read, with its brackets closed, stays text
+    assert apply_overrides({}, ["prompts.user_template=[INST] {text} [/INST]"]) == \
+        {"prompts": {"user_template": "[INST] {text} [/INST]"}}
