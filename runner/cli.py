@@ -14,7 +14,7 @@ import sys
 import click
 
 from runner import __version__
-from runner.cli_output import run_summary, say, warn
+from runner.cli_output import reopen_closed, run_summary, say, stdout_open, warn
 from runner.summary import one_line
 from runner.process_clock import note_process_start, take_start
 from runner.scratch import remove_scratch
@@ -186,7 +186,7 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
     # ignored, so that it cannot turn a completed run's 0 or 65 into 130.
     _finished_run["executor"] = spec.spec.executor
     ignore_stop_signals()
-    if not quiet:
+    if not quiet and stdout_open():  # closed (`>&-`): the run's outcome is its database and exit code
         say(run_summary(summary))
     limit = spec.spec.output.max_failed_fraction
     if summary.failed_fraction > limit:
@@ -248,6 +248,7 @@ for _module in ("runner.cli_check", "runner.cli_results", "runner.cli_stored", "
 
 def main():  # console-script entry point; the guard matters for vLLM's spawned workers
     note_process_start()
+    reopen_closed()
     try:
         cli()
     except SystemExit as exc:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import errno
+import os
+import sys
 
 import click
 
@@ -10,10 +12,51 @@ from runner.errors import OutputClosed, OutputFileError, RunnerError
 from runner.summary import stats_lines
 
 
+_closed: set[int] = set()  # standard descriptors the process began without (`>&-`): see reopen_closed
+
+
+def reopen_closed() -> None:
+    """Descriptors 0-2 closed at the start (`runner run >&-`) are opened on /dev/null, so that the
+    engine's output can be pointed elsewhere and back as ever; what the runner itself would say on a
+    closed standard output is an error (stdout_closed), not lost with exit 0."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            _closed.add(fd)
+    if 1 in _closed:
+        sys.stdout = open(1, "w", closefd=False)
+    if 2 in _closed:
+        sys.stderr = open(2, "w", closefd=False)
+
+
+def stdout_open() -> bool:
+    """Whether standard output was open when the process began."""
+    return 1 not in _closed
+
+
+def check_stdout() -> None:
+    """Raise the runner's error where standard output was closed when the process began."""
+    if 1 in _closed:
+        raise OutputFileError("standard output is closed: nothing can be written to it (give -o FILE, or --quiet)")
+
+
+def confirm(message: str) -> None:
+    """A line saying where something was written: left out where standard output was closed (the
+    file is the outcome), not an error as the output itself would be."""
+    if stdout_open():
+        say(message)
+
+
 def say(message: str = "", nl: bool = True) -> None:
     """A line of the runner's own output (reaches the terminal while the engine's goes to its log).
     Standard output that cannot be written (a full disk, /dev/full) is the runner's error, and one
     whose reader stopped reading (`| head`) is OutputClosed: no traceback."""
+    check_stdout()
     try:
         click.echo(message, file=console().out, nl=nl)
     except OSError as exc:

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from runner.cli import cli, reports_errors
-from runner.cli_output import say, stats_table, warn
+from runner.cli_output import check_stdout, confirm, say, stats_table, warn
 from runner.summary import fmt, plural, process_gone, run_status
 
 
@@ -212,7 +212,7 @@ def report(run_id, job, db, overrides, output):
         say(html, nl=False)
         return
     _write_text(_file_path(output), html, reading=store.path)
-    say(f"Report: {output}")
+    confirm(f"Report: {output}")
 
 
 @cli.command()
@@ -242,6 +242,8 @@ def export(run_id, job, db, overrides, fmt_, output):
 
     target = None if output == "-" else _file_path(output)
     fmt_ = format_for(output, fmt_)
+    if target is None:
+        check_stdout()
     store, job_name = _open_store(job, db, overrides)
     if run_id is None and job_name is None:
         raise SpecError("give RUN_ID, or --job JOB to export the whole job")
@@ -249,7 +251,7 @@ def export(run_id, job, db, overrides, fmt_, output):
         _run_of(store, run_id, job_name)
     to_stdout = output == "-"
     n = export_run(store, run_id, fmt_, target, None if run_id is not None else job_name)
-    (warn if to_stdout else say)(f"Exported {plural(n, 'row')} to {'stdout' if to_stdout else output}")
+    (warn if to_stdout else confirm)(f"Exported {plural(n, 'row')} to {'stdout' if to_stdout else output}")
     # against the rows written, read in one snapshot: a prune while it ran would make a second read differ
     stats = store.stats(run_id) if run_id is not None else None
     if stats and (gone := stats["rows_total"] - n) > 0:
