@@ -19,7 +19,7 @@ from runner.summary import one_line
 from runner.process_clock import note_process_start, take_start
 from runner.scratch import remove_scratch
 from runner.errors import OutputClosed, RunnerError
-from runner.signals import RUN_STOPPED, ignore_stop_signals, sigterm_interrupts
+from runner.signals import RUN_STOPPED, ignore_stop_signals, keep_ignoring_after_stop, sigterm_interrupts
 
 
 def reports_errors(fn):
@@ -249,6 +249,7 @@ for _module in ("runner.cli_check", "runner.cli_results", "runner.cli_stored", "
 def main():  # console-script entry point; the guard matters for vLLM's spawned workers
     note_process_start()
     reopen_closed()
+    keep_ignoring_after_stop()
     try:
         cli()
     except SystemExit as exc:
@@ -257,6 +258,8 @@ def main():  # console-script entry point; the guard matters for vLLM's spawned 
         if exc.code == 130:  # stopped, and said so: a second stop during the interpreter's exit
             ignore_stop_signals(ctrl_c=True)  # would end it by the signal instead of 130
         raise
+    finally:
+        keep_ignoring_after_stop(False)  # called in a process that goes on (a test): as before
 
 
 if __name__ == "__main__":

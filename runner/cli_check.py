@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from runner.cli import cli, job_settings, reports_errors
-from runner.cli_output import say, table
+from runner.cli_output import check_stdout, say, table
 
 
 @cli.command()
@@ -82,6 +82,7 @@ def plan(job, overrides):
     from runner.readers import LocalReader
     from runner.spec import load_job
 
+    check_stdout()  # the plan is the output: closed (`>&-`), an error, not exit 0 having said nothing
     spec = load_job(job, overrides)
     reader = LocalReader(spec.input_path, spec.spec.input)
     scan = reader.scan()

@@ -39,10 +39,12 @@ def stdout_open() -> bool:
     return 1 not in _closed
 
 
-def check_stdout() -> None:
-    """Raise the runner's error where standard output was closed when the process began."""
+def check_stdout(hint: str = "") -> None:
+    """Raise the runner's error where standard output was closed when the process began: called by
+    the commands whose output is what was asked for (stats, status, plan, a report or an export to
+    stdout); a command that acts (run, prune, calibrate) does its work and says nothing."""
     if 1 in _closed:
-        raise OutputFileError("standard output is closed: nothing can be written to it (give -o FILE, or --quiet)")
+        raise OutputFileError("standard output is closed: nothing can be written to it" + (f" ({hint})" if hint else ""))
 
 
 def confirm(message: str) -> None:
@@ -55,8 +57,8 @@ def confirm(message: str) -> None:
 def say(message: str = "", nl: bool = True) -> None:
     """A line of the runner's own output (reaches the terminal while the engine's goes to its log).
     Standard output that cannot be written (a full disk, /dev/full) is the runner's error, and one
-    whose reader stopped reading (`| head`) is OutputClosed: no traceback."""
-    check_stdout()
+    whose reader stopped reading (`| head`) is OutputClosed: no traceback. Where standard output
+    was closed at the start, the line goes to /dev/null (reopen_closed): see check_stdout."""
     try:
         click.echo(message, file=console().out, nl=nl)
     except OSError as exc:

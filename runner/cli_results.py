@@ -102,6 +102,7 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
 
     if run_id is not None and last != 1:
         raise SpecError("give RUN_ID or --last N, not both")
+    check_stdout()
     try:
         store, job_name = _open_store(job, db, overrides)
         runs = [_run_of(store, run_id, job_name)] if run_id is not None else store.latest_runs(job_name, last, with_idle)
@@ -204,6 +205,8 @@ def report(run_id, job, db, overrides, output):
 
         raise OutputFileError(f"{output}: a report is HTML: name the file .html (runner export writes results "
                               "as Parquet, CSV or JSON Lines)")
+    if output == "-":
+        check_stdout("give -o FILE.html")
     store, job_name = _open_store(job, db, overrides)
     _run_of(store, run_id, job_name)
     html = render_report(store, run_id)
@@ -243,7 +246,7 @@ def export(run_id, job, db, overrides, fmt_, output):
     target = None if output == "-" else _file_path(output)
     fmt_ = format_for(output, fmt_)
     if target is None:
-        check_stdout()
+        check_stdout("give -o FILE")
     store, job_name = _open_store(job, db, overrides)
     if run_id is None and job_name is None:
         raise SpecError("give RUN_ID, or --job JOB to export the whole job")

@@ -5,6 +5,7 @@ import click
 
 from runner.cli import _engine_output, cli, job_settings, reports_errors
 from runner.cli_output import say, table
+from runner.summary import escaped
 
 
 @cli.command()
@@ -103,7 +104,9 @@ def verify(job, rows, wait, verbose, baseline, engine, overrides):
             f"(stored as verification #{v.verification_id})")
         say(table([(f"field {f}", f"{a:.1%} agree") for f, a in v.field_agreement.items()] or [("fields", "-")]))
         for d in v.differences[:5]:
-            say(f"  {d['row_id']}:\n    without drafts: {d['without']}\n    with drafts:    {d['with']}")
+            # model output (and an input's row id): escaped, as it may hold a terminal's escape sequences
+            say(f"  {escaped(str(d['row_id']))}:\n    without drafts: {escaped(str(d['without']))}\n"
+                f"    with drafts:    {escaped(str(d['with']))}")
 
 
 @cli.command()
@@ -136,8 +139,10 @@ def distill(job, out, layers, epochs, holdout, max_rows, wait):
 
     spec = load_job(job)
     opts = DistillOptions(layers=layers, epochs=epochs, holdout=holdout, max_rows=max_rows)
-    record = distill_job(spec, Path(out).resolve(), opts, wait=wait,
-                         progress=lambda n: tqdm(total=n, desc="distill", unit="row", file=sys.stderr,
+    from runner.console import BestEffort
+
+    record = distill_job(spec, Path(out).resolve(), opts, wait=wait,  # a bar that cannot be written: training goes on
+                         progress=lambda n: tqdm(total=n, desc="distill", unit="row", file=BestEffort(sys.stderr),
                                                  mininterval=1 if sys.stderr.isatty() else 30))
     say(f"Draft: {out} (recorded as draft #{record['draft_id']})")
     say(table([("trained on", f"{record['held_out_rows']} rows held out; loss by epoch {record['losses']}"),

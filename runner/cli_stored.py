@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from runner.cli import cli, reports_errors
-from runner.cli_output import say, table
+from runner.cli_output import check_stdout, say, table
 from runner.summary import plural
 
 
@@ -33,6 +33,7 @@ def status(job, overrides):
     from runner.lock import holder
     from runner.spec import job_results, load_job
 
+    check_stdout()  # what is stored is the output: closed, an error
     try:
         spec, unloaded = load_job(job, overrides, check_engine=False), None  # results only: no engine starts
     except SpecError as exc:  # a retired job (its schema or prompts gone): what is stored still shows,
@@ -106,6 +107,8 @@ def prune(job, keep_versions, dry_run, wait, overrides):
     from runner.errors import NotFound
     from runner.spec import job_results
 
+    if dry_run:
+        check_stdout()  # the count is the output; a real prune does its work and says nothing
     database, name = job_results(job, overrides)  # the schema and engine config may be gone
     try:
         store, _ = _open_store(job, None, overrides)

@@ -178,4 +178,6 @@ class BestEffort:
                 self.failed = True
 
     def __getattr__(self, name: str):  # isatty, encoding...: tqdm asks
+        if name == "stream":  # not set yet (copy, pickle): no recursion through this
+            raise AttributeError(name)
         return getattr(self.stream, name)

@@ -44,12 +44,9 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     each file read once."""
     endings = _endings(declared) if declared else tuple(e for fmt in EXTENSIONS for e in _endings(fmt))
     if any(ch in path for ch in "*?[") and not os.path.exists(path):  # a file named lit[1].jsonl is that file
-        literal = _existing_folder(path)  # `[x]` in the job's own folder is not a pattern
-        root = max(_fixed_part(path), literal, key=len)
-        named = {part[0] for part in Path(os.path.relpath(path, root)).parts if part.startswith(("_", "."))}
-        pattern = os.path.join(glob.escape(literal), os.path.relpath(path, literal)) if literal else path
-        files = _once(sorted(f for f in glob.glob(pattern, recursive=True)
-                             if os.path.isfile(f) and not _hidden(os.path.relpath(f, root), named)))
+        literal = _existing_folder(path)  # `[x]` in the job's own folder is not a pattern...
+        # ...unless nothing matches below it as written: `data/[ab]/*.parquet` beside a folder `[ab]`
+        files = _globbed(path, literal) or (_globbed(path, "") if literal else [])
     elif os.path.isdir(path):
         files = sorted(f for f in _walk(path) if os.path.basename(f).lower().endswith(endings))
     elif os.path.isfile(path):
@@ -60,6 +57,15 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
         raise InputError(f"{path}: no input files match (Parquet, JSON Lines, CSV: {', '.join(sorted(set(endings)))}; "
                          "names that begin with _ or . are left out unless the pattern names them)")
     return files
+
+
+def _globbed(path: str, literal: str) -> list[str]:
+    """The files a glob names, its leading part `literal` taken as written."""
+    root = max(_fixed_part(path), literal, key=len)
+    named = {part[0] for part in Path(os.path.relpath(path, root)).parts if part.startswith(("_", "."))}
+    pattern = os.path.join(glob.escape(literal), os.path.relpath(path, literal)) if literal else path
+    return _once(sorted(f for f in glob.glob(pattern, recursive=True)
+                        if os.path.isfile(f) and not _hidden(os.path.relpath(f, root), named)))
 
 
 def _hidden(relative: str, named: set[str] = frozenset()) -> bool:

@@ -24,8 +24,11 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             if not isinstance(node[part], dict):
                 raise SpecError(f"--set {item}: {'.'.join(parts[:i + 1])} is not a section")
             node = node[part]
-        if len(parts) == 1 and isinstance(value, dict) and isinstance(node.get(key.strip()), dict):
-            _merge(node[key.strip()], value)  # a whole section: key by key, as dotted keys would set it
+        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict) and "method" not in value:
+            # a whole section, at any depth: key by key, as dotted keys would set it; except one that
+            # names a speculative `method`, whose options are that method's own (a draft's `model`
+            # left from the job's setting would go to ngram)
+            _merge(node[parts[-1]], value)
         else:
             node[parts[-1]] = value
     return raw

@@ -20,13 +20,15 @@ class Interrupted(RunnerError):
 RUN_STOPPED = "finished rows are stored, rerun to resume"
 
 
+_state = {"stopping": False, "keep": False, "ctrl_c": 0}
+
+
 def raise_interrupted(signum, _frame, after: str = RUN_STOPPED, pid: int = 0):
     """The SIGTERM handler: the runner's own Interrupted, raised where the main thread is; `after`
     says what the stop left (a run: its finished rows). In a process forked from the one that set
     it (vLLM's engine core and workers keep SIGHUP's handler), the signal's default: it ends."""
     if pid and os.getpid() != pid:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        _default(signum)
         return
     _ignore_stops()
     raise Interrupted(f"stopped by signal {signal.Signals(signum).name}" + (f"; {after}" if after else ""))
@@ -41,13 +43,57 @@ def raise_keyboard_interrupt(signum, frame, pid: int = 0):
     raise KeyboardInterrupt
 
 
+def _default(signum) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _ignored(signum, _frame, pid: int) -> None:
+    """A stop after the first: ignored, by a handler of Python's own, not SIG_IGN (a signal that
+    arrived as SIG_IGN was set is raised as OSError "Signal 15 ignored due to race condition").
+    Ctrl-C is the way out of a shutdown that hangs: the first one after the stop says so, the next
+    ends the process at once (exit 130, the open batch lost, the run row left for the next run)."""
+    if os.getpid() != pid:  # a forked child (vLLM's engine core): the signal's default
+        _default(signum)
+        return
+    if signum != signal.SIGINT:
+        return
+    from runner.console import console  # imported already: the run's streams (fd 2 may be the engine's log)
+
+    _state["ctrl_c"] += 1
+    err = console().err
+    try:
+        err.write("\nStopping: storing the finished rows; Ctrl-C again quits at once (the open batch is lost)\n"
+                  if _state["ctrl_c"] == 1 else "\nError: stopped again: quit at once; rerun to resume\n")
+        err.flush()
+    except (OSError, ValueError):
+        pass
+    if _state["ctrl_c"] > 1:
+        os._exit(130)
+
+
 def _ignore_stops() -> None:
     """A second SIGTERM, SIGHUP or Ctrl-C while the first stop unwinds (storing the open batch,
     marking the run) is ignored: raised again, it would lose that batch and leave the run row
-    `running`. sigterm_interrupts puts the handlers back as it ends."""
-    for s in _STOPS:
-        if s is not None and signal.getsignal(s) is not signal.SIG_IGN:
-            signal.signal(s, signal.SIG_IGN)
+    `running`. sigterm_interrupts puts the handlers back as it ends, unless the process ends with
+    the command (keep_ignoring_after_stop)."""
+    _state["stopping"] = True
+    _ignore(_STOPS)
+
+
+def _ignore(signals) -> None:
+    handler = functools.partial(_ignored, pid=os.getpid())
+    for s in signals:
+        if s is not None and signal.getsignal(s) is not signal.SIG_IGN:  # `nohup`'s SIGHUP stays ignored
+            signal.signal(s, handler)
+
+
+def keep_ignoring_after_stop(keep: bool = True) -> None:
+    """For the command line, whose process ends with its command: once stopped, further stops are
+    ignored to the exit. Put back as the command unwinds, a second signal there ended the process
+    by the signal (not 130) or printed a KeyboardInterrupt traceback. False: back to putting them
+    back (and to a state with no stop under way)."""
+    _state.update(keep=keep, **({} if keep else {"stopping": False, "ctrl_c": 0}))
 
 
 _STOPS = (signal.SIGTERM, getattr(signal, "SIGHUP", None), signal.SIGINT)
@@ -65,7 +111,8 @@ def sigterm_interrupts(after: str = RUN_STOPPED):
     thread can set a handler: called from another thread, the process's own handling stays. Set
     already (the command's, around a run's): that one stays, its message and its ignoring a
     second signal."""
-    if threading.current_thread() is not threading.main_thread() or _ours(signal.getsignal(signal.SIGTERM)):
+    if (threading.current_thread() is not threading.main_thread() or _ours(signal.getsignal(signal.SIGTERM))
+            or _state["stopping"]):  # stopped already: further stops stay ignored
         yield
         return
     # SIGHUP too (a closed terminal or ssh session), unless ignored: `nohup runner run` asked that
@@ -78,8 +125,7 @@ def sigterm_interrupts(after: str = RUN_STOPPED):
     try:
         yield
     finally:
-        for s, previous in old.items():
-            signal.signal(s, previous)
+        _put_back(old)
 
 
 @contextlib.contextmanager
@@ -92,15 +138,20 @@ def handlers_kept():
     try:
         yield
     finally:
-        for s, handler in old.items():
-            if handler is not None:
-                signal.signal(s, handler)
+        _put_back({s: handler for s, handler in old.items() if handler is not None})
+
+
+def _put_back(old: dict) -> None:
+    """The handlers as they were; not once a stop began in a process that ends with its command."""
+    if _state["stopping"] and _state["keep"]:
+        return
+    _state.update(stopping=False, ctrl_c=0)
+    for s, handler in old.items():
+        signal.signal(s, handler)
 
 
 def ignore_stop_signals(ctrl_c: bool = False) -> None:
     """SIGTERM and SIGHUP (and SIGINT with ctrl_c) ignored from here on (a run that completed, or
     one stopped: what is left is its exit)."""
     if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) + ((signal.SIGINT,) if ctrl_c else ()):
-            if s is not None:
-                signal.signal(s, signal.SIG_IGN)
+        _ignore((signal.SIGTERM, getattr(signal, "SIGHUP", None)) + ((signal.SIGINT,) if ctrl_c else ()))

@@ -79,4 +79,10 @@ def one_line(message: str, limit: int = 800) -> str:
     characters (the NULs of binary data a library quotes) are written as escapes, not sent to the terminal."""
     text = " ".join(message.split())
     text = text if len(text) <= limit else text[: limit - 3] + "..."  # cut first: an escape stays whole
+    return escaped(text)
+
+
+def escaped(text: str) -> str:
+    """Text with its control characters (newlines, escape sequences) written as escapes, nothing else
+    changed: a model's output shown on a terminal, where a difference may be in its whitespace."""
     return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" else c for c in text)

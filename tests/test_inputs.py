@@ -245,6 +245,11 @@ def test_wildcard_characters_in_a_path_that_exists_are_the_names_themselves(tmp_
     assert input_files(str(folder / "data")) == sorted(input_files(str(folder / "data" / "*.parquet")))
     # a pattern in a folder that does not exist as written is still a pattern
     assert [f.rsplit("/", 1)[1] for f in input_files(str(tmp_path / "team ?" / "data" / "*.parquet"))] == ["b.parquet"]
+    # and one whose folder exists as written but holds no match is the pattern: `data/[ab]/` beside a/ and b/
+    write_docs(tmp_path / "d" / "a" / "1.parquet", 2)
+    write_docs(tmp_path / "d" / "b" / "2.parquet", 2)
+    (tmp_path / "d" / "[ab]").mkdir()
+    assert [f.rsplit("/", 2)[1] for f in input_files(str(tmp_path / "d" / "[ab]" / "*.parquet"))] == ["a", "b"]
 
 
 def test_a_prefetch_dropped_unread_stops_its_thread():

@@ -220,6 +220,13 @@ def test_a_whole_section_given_with_set_merges_and_a_broken_list_is_refused():
     got = apply_overrides(job, ["sampling={max_tokens: 100}", "engine={max_num_seqs: 4}"])
     assert got == {"sampling": {"max_tokens": 100, "retry_repetition_penalty": 1.2},
                    "engine": {"config": "c.yaml", "max_num_seqs": 4, "calibration": {"rows": 64, "max_draft_tokens": 6}}}
+    # at any depth too; a speculative mapping naming its method is that method's whole setting
+    job = {"engine": {"calibration": {"rows": 64, "max_draft_tokens": 6},
+                      "speculative": {"method": "draft_model", "model": "d", "num_speculative_tokens": 4}}}
+    got = apply_overrides(job, ["engine.calibration={rows: 16}", "engine.speculative={method: ngram}"])
+    assert got == {"engine": {"calibration": {"rows": 16, "max_draft_tokens": 6}, "speculative": {"method": "ngram"}}}
+    got = apply_overrides(got, ["engine.speculative={num_speculative_tokens: 3}"])
+    assert got["engine"]["speculative"] == {"method": "ngram", "num_speculative_tokens": 3}
     for broken in ("sampling.stop=[a, b", "engine.extra_args={seed: 3"):
         with pytest.raises(SpecError, match="not valid YAML"):
             apply_overrides({}, [broken])

@@ -56,21 +56,28 @@ def test_a_database_path_with_url_characters_is_the_file_named(make_job, tmp_pat
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a%20b", "team#2", "v?1"]
 
 
-def test_a_closed_standard_output_is_an_error_where_something_would_be_written(make_job, tmp_path):
+def test_a_closed_standard_output_is_an_error_only_where_the_output_was_asked_for(make_job, tmp_path):
     """`>&-`: `run -q` stopped with a traceback (nothing to print), `export` too, and `report` and
-    `stats` exited 0 having written nothing."""
+    `stats` exited 0 having written nothing. A command that acts does its work and says nothing."""
     job = str(make_job(rows=4))
 
     def closed_stdout(*args):
         return subprocess.run([sys.executable, "-m", "runner.cli", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), preexec_fn=lambda: os.close(1))
 
-    for args in (("run", "--engine", "fake", "-q", job), ("run", "--engine", "fake", "--restart", job)):
+    for args in (("run", "--engine", "fake", "-q", job), ("run", "--engine", "fake", "--restart", job),
+                 ("validate", job), ("prune", job, "--keep-versions", "0")):
         done = closed_stdout(*args)
-        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
-    for args in (("export", "--job", job, "--format", "csv"), ("report", "1", "--job", job), ("stats", "--job", job)):
+        assert done.returncode == 0 and "Traceback" not in done.stderr and "Error" not in done.stderr, (args, done.stderr)
+        assert args[0] == "run" or done.stderr == ""
+    db = next((tmp_path).rglob("*.sqlite"))
+    assert sqlite3.connect(db).execute("SELECT count(*) FROM results_history").fetchone() == (0,)  # the prune ran
+    for args, hint in ((("export", "--job", job, "--format", "csv"), " (give -o FILE)"),
+                       (("report", "1", "--job", job), " (give -o FILE.html)"),
+                       (("stats", "--job", job), ""), (("status", job), ""), (("plan", job), ""),
+                       (("prune", job, "--keep-versions", "0", "--dry-run"), "")):
         done = closed_stdout(*args)
         assert done.returncode == 6, (args, done.stderr)
-        assert done.stderr == "Error: standard output is closed: nothing can be written to it (give -o FILE, or --quiet)\n"
+        assert done.stderr == f"Error: standard output is closed: nothing can be written to it{hint}\n", args
     done = closed_stdout("export", "--job", job, "-o", str(tmp_path / "r.csv"))  # a file is still written
     assert done.returncode == 0 and (tmp_path / "r.csv").read_text().count("\n") == 5, done.stderr

@@ -326,3 +326,20 @@ def test_which_failure_binds():
     assert binding_failure([v(2, 1.0, 64, "b"), v(1, 0.8, 64, None)], 0.99, "c", 64) is None  # settings not recorded
     older = v(0, 0.7, 64, "b")  # lifted by nothing (the run's settings are neither): binds beneath a lifted one
     assert binding_failure([v(2, 1.0, 64, "a"), fail, older], 0.99, "c", 64) == older
+
+
+def test_verify_shows_differing_outputs_with_their_control_characters_escaped(make_job, monkeypatch):
+    """A model's output (JSON strings may hold an ESC) reached the terminal as it was."""
+    import runner.engines
+
+    def factory(j, kind="vllm"):  # with drafts, text that is not JSON: shown as the model wrote it
+        drafting = j.engine.speculative is not None
+        plain = json.dumps({"summary": "plain", "sentiment": "neutral"})
+        return FakeEngine(SCHEMA, respond=lambda r: '{"summary": "\x1b]0;owned\x07\nx' if drafting else plain)
+
+    monkeypatch.setattr(runner.engines, "build_engine", factory)
+    out = CliRunner().invoke(cli, ["verify", "--engine", "fake", "--rows", "2", str(make_job(rows=3))])
+    assert out.exit_code == 0, out.output
+    assert "\x1b" not in out.output and "\x07" not in out.output
+    assert '    with drafts:    {"summary": "\\x1b]0;owned\\x07\\x0ax\n' in out.output
+    assert '    without drafts: {"summary": "plain", "sentiment": "neutral"}' in out.output

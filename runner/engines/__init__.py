@@ -50,9 +50,11 @@ def build_local_engine(job, kind: str = "vllm") -> Engine:
 
         from runner.engines.fake import FakeEngine
 
-        # RUNNER_FAKE_DELAY_S slows the fake engine down so that tests can kill a run midway.
+        # RUNNER_FAKE_DELAY_S slows the fake engine down so that tests can kill a run midway;
+        # RUNNER_FAKE_CLOSE_S makes its shutdown hang that long.
         delay = float(os.environ.get("RUNNER_FAKE_DELAY_S", "0"))
-        return FakeEngine(job.output_schema, block_tokens=job.block_tokens, delay_s=delay, record=False)
+        return FakeEngine(job.output_schema, block_tokens=job.block_tokens, delay_s=delay, record=False,
+                          close_s=float(os.environ.get("RUNNER_FAKE_CLOSE_S", "0")))
     from runner.engines.vllm_engine import VllmEngine
 
     return VllmEngine(job.engine, job.model_path, job.spec.sampling, job.output_schema)

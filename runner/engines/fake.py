@@ -54,8 +54,9 @@ class FakeEngine(Engine):
 
     def __init__(self, schema: dict, respond: Optional[Callable[[Request], str]] = None,
                  delay_s: float = 0.0, finish_reason: Callable[[Request], str] = lambda r: "stop",
-                 block_tokens: int = BLOCK_TOKENS, record: bool = True):
+                 block_tokens: int = BLOCK_TOKENS, record: bool = True, close_s: float = 0.0):
         self.schema = schema
+        self.close_s = close_s  # a shutdown that takes this long (a stuck engine, for the stop tests)
         self.respond = respond or (lambda r: json.dumps(example_for_schema(schema, r.row_id)))
         self.delay_s = delay_s
         self.block_tokens = block_tokens
@@ -117,6 +118,10 @@ class FakeEngine(Engine):
 
     def counters(self) -> EngineCounters:
         return self._totals + EngineCounters()
+
+    def close(self) -> None:
+        if self.close_s:
+            time.sleep(self.close_s)
 
     def warmup(self, req: Request) -> None:
         self.warmed.append(req.row_id)  # like vLLM's: generates nothing that counts
