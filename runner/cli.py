@@ -258,8 +258,6 @@ def main():  # console-script entry point; the guard matters for vLLM's spawned 
         if exc.code == 130:  # stopped, and said so: a second stop during the interpreter's exit
             ignore_stop_signals(ctrl_c=True)  # would end it by the signal instead of 130
         raise
-    finally:
-        keep_ignoring_after_stop(False)  # called in a process that goes on (a test): as before
 
 
 if __name__ == "__main__":

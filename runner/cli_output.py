@@ -17,8 +17,8 @@ _closed: set[int] = set()  # standard descriptors the process began without (`>&
 
 def reopen_closed() -> None:
     """Descriptors 0-2 closed at the start (`runner run >&-`) are opened on /dev/null, so that the
-    engine's output can be pointed elsewhere and back as ever; what the runner itself would say on a
-    closed standard output is an error (stdout_closed), not lost with exit 0."""
+    engine's output can be pointed elsewhere and back as ever. A command whose output is what was
+    asked for then says standard output is closed (check_stdout); one that acts says nothing."""
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)

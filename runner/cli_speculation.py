@@ -105,8 +105,8 @@ def verify(job, rows, wait, verbose, baseline, engine, overrides):
         say(table([(f"field {f}", f"{a:.1%} agree") for f, a in v.field_agreement.items()] or [("fields", "-")]))
         for d in v.differences[:5]:
             # model output (and an input's row id): escaped, as it may hold a terminal's escape sequences
-            say(f"  {escaped(str(d['row_id']))}:\n    without drafts: {escaped(str(d['without']))}\n"
-                f"    with drafts:    {escaped(str(d['with']))}")
+            shown = [escaped(str(d[k]), backslashes=True) for k in ("row_id", "without", "with")]
+            say(f"  {shown[0]}:\n    without drafts: {shown[1]}\n    with drafts:    {shown[2]}")
 
 
 @cli.command()

@@ -45,8 +45,12 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     endings = _endings(declared) if declared else tuple(e for fmt in EXTENSIONS for e in _endings(fmt))
     if any(ch in path for ch in "*?[") and not os.path.exists(path):  # a file named lit[1].jsonl is that file
         literal = _existing_folder(path)  # `[x]` in the job's own folder is not a pattern...
-        # ...unless nothing matches below it as written: `data/[ab]/*.parquet` beside a folder `[ab]`
-        files = _globbed(path, literal) or (_globbed(path, "") if literal else [])
+        files = _globbed(path, literal)
+        if not files and any(ch in os.path.basename(literal) for ch in "*?["):
+            # ...unless nothing matches below it as written and its own last name reads as a
+            # pattern: `data/[ab]/*.parquet` beside an empty folder `[ab]` (the folders above stay
+            # as written: `team [x]/data/` empty is not `team x/data/`)
+            files = _globbed(path, os.path.dirname(literal))
     elif os.path.isdir(path):
         files = sorted(f for f in _walk(path) if os.path.basename(f).lower().endswith(endings))
     elif os.path.isfile(path):

@@ -24,10 +24,11 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             if not isinstance(node[part], dict):
                 raise SpecError(f"--set {item}: {'.'.join(parts[:i + 1])} is not a section")
             node = node[part]
-        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict) and "method" not in value:
-            # a whole section, at any depth: key by key, as dotted keys would set it; except one that
-            # names a speculative `method`, whose options are that method's own (a draft's `model`
-            # left from the job's setting would go to ngram)
+        if value and isinstance(value, dict) and isinstance(node.get(parts[-1]), dict) and \
+                not (parts[-1] == "speculative" and "method" in value):
+            # a whole section, at any depth: key by key, as dotted keys would set it; except `{}`,
+            # which empties it, and a speculative setting that names its `method`, whose options
+            # are that method's own (a draft's `model` left from the job's would go to ngram)
             _merge(node[parts[-1]], value)
         else:
             node[parts[-1]] = value

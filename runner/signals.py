@@ -20,7 +20,7 @@ class Interrupted(RunnerError):
 RUN_STOPPED = "finished rows are stored, rerun to resume"
 
 
-_state = {"stopping": False, "keep": False, "ctrl_c": 0}
+_state = {"stopping": False, "keep": False, "ctrl_c": 0, "after": ""}
 
 
 def raise_interrupted(signum, _frame, after: str = RUN_STOPPED, pid: int = 0):
@@ -30,16 +30,16 @@ def raise_interrupted(signum, _frame, after: str = RUN_STOPPED, pid: int = 0):
     if pid and os.getpid() != pid:
         _default(signum)
         return
-    _ignore_stops()
+    _ignore_stops(after)
     raise Interrupted(f"stopped by signal {signal.Signals(signum).name}" + (f"; {after}" if after else ""))
 
 
-def raise_keyboard_interrupt(signum, frame, pid: int = 0):
+def raise_keyboard_interrupt(signum, frame, pid: int = 0, after: str = ""):
     """The SIGINT handler: Python's own KeyboardInterrupt, after which further stops are ignored
     (a second Ctrl-C while the first unwinds lost the open batch and printed a traceback)."""
     if pid and os.getpid() != pid:
         signal.default_int_handler(signum, frame)
-    _ignore_stops()
+    _ignore_stops(after)
     raise KeyboardInterrupt
 
 
@@ -51,33 +51,57 @@ def _default(signum) -> None:
 def _ignored(signum, _frame, pid: int) -> None:
     """A stop after the first: ignored, by a handler of Python's own, not SIG_IGN (a signal that
     arrived as SIG_IGN was set is raised as OSError "Signal 15 ignored due to race condition").
-    Ctrl-C is the way out of a shutdown that hangs: the first one after the stop says so, the next
-    ends the process at once (exit 130, the open batch lost, the run row left for the next run)."""
+    In the command line's process, Ctrl-C is the way out of a shutdown that hangs: the first one
+    after the stop says so, the next ends the process at once (exit 130; a run's rows not stored
+    yet are lost, its run row is left for the next run). A shutdown stuck outside Python (in C)
+    runs no handler: SIGKILL is left for that."""
     if os.getpid() != pid:  # a forked child (vLLM's engine core): the signal's default
         _default(signum)
         return
-    if signum != signal.SIGINT:
+    if signum != signal.SIGINT or not _state["keep"]:  # a library's caller (a notebook) is not ended
         return
+    _state["ctrl_c"] += 1
+    run = _state["after"] == RUN_STOPPED
+    _say("\nStopping: " + ("storing the finished rows; " if run else "") + "Ctrl-C again quits at once"
+         + (" (the rows not stored yet are lost)\n" if run else "\n") if _state["ctrl_c"] == 1 else
+         "\nError: stopped again: quit at once" + ("; rerun to resume\n" if run else "\n"))
+    if _state["ctrl_c"] > 1:
+        _quit_now()
+
+
+def _say(text: str) -> None:
+    """A line to the runner's standard error from a signal handler: written unbuffered (the handler
+    may run inside a write to the same stream), and dropped if it cannot be written."""
     from runner.console import console  # imported already: the run's streams (fd 2 may be the engine's log)
 
-    _state["ctrl_c"] += 1
-    err = console().err
     try:
-        err.write("\nStopping: storing the finished rows; Ctrl-C again quits at once (the open batch is lost)\n"
-                  if _state["ctrl_c"] == 1 else "\nError: stopped again: quit at once; rerun to resume\n")
-        err.flush()
-    except (OSError, ValueError):
+        console().err.flush()
+        os.write(console().err.fileno(), text.encode(errors="replace"))
+    except Exception:  # noqa: BLE001 - a note must not raise into the code storing rows
         pass
-    if _state["ctrl_c"] > 1:
-        os._exit(130)
 
 
-def _ignore_stops() -> None:
+def _quit_now() -> None:
+    """End the process at once: its engine core, a child of its own, is killed first (it would
+    hold the GPU, as nothing in it watches this process), then the scratch folder goes."""
+    import multiprocessing
+
+    from runner.scratch import remove_scratch
+
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(Exception):
+            child.kill()
+    with contextlib.suppress(Exception):
+        remove_scratch()
+    os._exit(130)
+
+
+def _ignore_stops(after: str = "") -> None:
     """A second SIGTERM, SIGHUP or Ctrl-C while the first stop unwinds (storing the open batch,
     marking the run) is ignored: raised again, it would lose that batch and leave the run row
     `running`. sigterm_interrupts puts the handlers back as it ends, unless the process ends with
     the command (keep_ignoring_after_stop)."""
-    _state["stopping"] = True
+    _state.update(stopping=True, after=after)
     _ignore(_STOPS)
 
 
@@ -88,12 +112,17 @@ def _ignore(signals) -> None:
             signal.signal(s, handler)
 
 
-def keep_ignoring_after_stop(keep: bool = True) -> None:
+def keep_ignoring_after_stop() -> None:
     """For the command line, whose process ends with its command: once stopped, further stops are
     ignored to the exit. Put back as the command unwinds, a second signal there ended the process
-    by the signal (not 130) or printed a KeyboardInterrupt traceback. False: back to putting them
-    back (and to a state with no stop under way)."""
-    _state.update(keep=keep, **({} if keep else {"stopping": False, "ctrl_c": 0}))
+    by the signal (not 130) or printed a KeyboardInterrupt traceback."""
+    _state["keep"] = True
+
+
+def reset() -> None:
+    """No stop under way, and handlers put back as ever: for a process that goes on after a
+    command's main() (tests)."""
+    _state.update(stopping=False, keep=False, ctrl_c=0, after="")
 
 
 _STOPS = (signal.SIGTERM, getattr(signal, "SIGHUP", None), signal.SIGINT)
@@ -121,7 +150,8 @@ def sigterm_interrupts(after: str = RUN_STOPPED):
     handler = functools.partial(raise_interrupted, after=after, pid=os.getpid())
     old = {s: signal.signal(s, handler) for s in signals}
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored (`cmd &`)
-        old[signal.SIGINT] = signal.signal(signal.SIGINT, functools.partial(raise_keyboard_interrupt, pid=os.getpid()))
+        old[signal.SIGINT] = signal.signal(signal.SIGINT, functools.partial(raise_keyboard_interrupt, pid=os.getpid(),
+                                                                             after=after))
     try:
         yield
     finally:
@@ -144,6 +174,7 @@ def handlers_kept():
 def _put_back(old: dict) -> None:
     """The handlers as they were; not once a stop began in a process that ends with its command."""
     if _state["stopping"] and _state["keep"]:
+        _ignore(old)  # ignoring to the exit, whatever a library (ray.init) set meanwhile
         return
     _state.update(stopping=False, ctrl_c=0)
     for s, handler in old.items():
@@ -154,4 +185,5 @@ def ignore_stop_signals(ctrl_c: bool = False) -> None:
     """SIGTERM and SIGHUP (and SIGINT with ctrl_c) ignored from here on (a run that completed, or
     one stopped: what is left is its exit)."""
     if threading.current_thread() is threading.main_thread():
+        _state["stopping"] = True  # not put back as the command unwinds (keep_ignoring_after_stop)
         _ignore((signal.SIGTERM, getattr(signal, "SIGHUP", None)) + ((signal.SIGINT,) if ctrl_c else ()))

@@ -82,7 +82,13 @@ def one_line(message: str, limit: int = 800) -> str:
     return escaped(text)
 
 
-def escaped(text: str) -> str:
+def escaped(text: str, backslashes: bool = False) -> str:
     """Text with its control characters (newlines, escape sequences) written as escapes, nothing else
-    changed: a model's output shown on a terminal, where a difference may be in its whitespace."""
-    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" else c for c in text)
+    changed. With backslashes, `\\` too, so that text that holds `\\x0a` reads apart from a newline
+    (a model's output, where a difference may be in its whitespace); invisible formatting characters
+    (bidirectional overrides) are escaped then as well."""
+    def one(c: str) -> str:
+        if unicodedata.category(c) == "Cc" or backslashes and unicodedata.category(c) == "Cf":
+            return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+        return "\\\\" if backslashes and c == "\\" else c
+    return "".join(map(one, text))

@@ -31,6 +31,23 @@ SYSTEM_A = "You are a careful analyst of customer reviews. " * 24
 SYSTEM_B = "You summarize incident reports for an on-call engineer. " * 24
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """A test that calls the command line's main() in this process (or stops a command with a
+    signal) leaves the stop state and handlers of a process about to exit: put them back."""
+    import signal
+
+    from runner import signals
+
+    stops = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None), signal.SIGINT) if s is not None]
+    before = {s: signal.getsignal(s) for s in stops}
+    yield
+    signals.reset()
+    for s, handler in before.items():
+        if handler is not None:
+            signal.signal(s, handler)
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The embedded default model, converted once (CI prepares it before the tests)."""

@@ -208,7 +208,7 @@ def test_a_second_stop_while_the_first_unwinds_is_ignored(make_job, tmp_path, fa
     proc.send_signal(second)
     _, err = proc.communicate(timeout=60)
     lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and "%|" not in ln]
-    note = ["Stopping: storing the finished rows; Ctrl-C again quits at once (the open batch is lost)"]
+    note = ["Stopping: storing the finished rows; Ctrl-C again quits at once (the rows not stored yet are lost)"]
     # two SIGINTs may come as one: a signal pending twice is delivered once
     assert proc.returncode == 130 and lines[:-1] in (([], note) if second == signal.SIGINT else ([],)), err
     assert lines[-1].startswith(("Error: stopped by", "Error: interrupted")) and "Traceback" not in err and "Exception ignored" not in err
@@ -232,8 +232,8 @@ def test_a_third_ctrl_c_ends_a_shutdown_that_hangs(make_job, tmp_path, fake_env)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert [ln for ln in err.splitlines() if ln] == ["Stopping: storing the finished rows; Ctrl-C again quits at once (the open "
-                                        "batch is lost)", "Error: stopped again: quit at once; rerun to resume"]
+    assert [ln for ln in err.splitlines() if ln] == ["Stopping: storing the finished rows; Ctrl-C again quits at once (the rows "
+                                                     "not stored yet are lost)", "Error: stopped again: quit at once; rerun to resume"]
     assert 0 < count(db) < ROWS
 
 

@@ -250,6 +250,11 @@ def test_wildcard_characters_in_a_path_that_exists_are_the_names_themselves(tmp_
     write_docs(tmp_path / "d" / "b" / "2.parquet", 2)
     (tmp_path / "d" / "[ab]").mkdir()
     assert [f.rsplit("/", 2)[1] for f in input_files(str(tmp_path / "d" / "[ab]" / "*.parquet"))] == ["a", "b"]
+    # but only that last folder: an empty `team [x]/data/` is not another team's `team x/data/`
+    (folder / "empty").mkdir()
+    write_docs(tmp_path / "team x" / "empty" / "c.parquet", 2)
+    with pytest.raises(InputError, match="no input files match"):
+        input_files(str(folder / "empty" / "*.parquet"))
 
 
 def test_a_prefetch_dropped_unread_stops_its_thread():

@@ -227,6 +227,10 @@ def test_a_whole_section_given_with_set_merges_and_a_broken_list_is_refused():
     assert got == {"engine": {"calibration": {"rows": 16, "max_draft_tokens": 6}, "speculative": {"method": "ngram"}}}
     got = apply_overrides(got, ["engine.speculative={num_speculative_tokens: 3}"])
     assert got["engine"]["speculative"] == {"method": "ngram", "num_speculative_tokens": 3}
+    # `{}` empties a section; `method` elsewhere is just a key
+    got = apply_overrides({"engine": {"extra_args": {"seed": 3, "method": "x"}}, "sampling": {"max_tokens": 9}},
+                          ["engine.extra_args={method: y}", "sampling={}"])
+    assert got == {"engine": {"extra_args": {"seed": 3, "method": "y"}}, "sampling": {}}
     for broken in ("sampling.stop=[a, b", "engine.extra_args={seed: 3"):
         with pytest.raises(SpecError, match="not valid YAML"):
             apply_overrides({}, [broken])

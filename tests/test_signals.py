@@ -44,3 +44,67 @@ def test_a_library_that_sets_its_own_sigterm_handler_gives_it_back():
         with handlers_kept():
             signal.signal(signal.SIGTERM, lambda *_: None)  # what ray.init does
         assert signal.getsignal(signal.SIGTERM) is ours
+
+
+def test_outside_the_command_line_stops_after_the_first_are_only_ignored():
+    """A library's caller (a notebook, pytest) is not ended by a later Ctrl-C, and gets its
+    handlers back when the stopped call returns."""
+    before = signal.getsignal(signal.SIGINT)
+    if before is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default here")
+    alive = []
+    with pytest.raises(KeyboardInterrupt):
+        with sigterm_interrupts(""):
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                signal.pthread_sigmask(signal.SIG_BLOCK, [])
+            finally:  # the stop unwinds: further stops are ignored, and nothing ends the process
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGINT, signal.SIGINT):
+                    os.kill(os.getpid(), s)
+                    signal.pthread_sigmask(signal.SIG_BLOCK, [])
+                alive.append(True)
+    assert alive == [True] and signal.getsignal(signal.SIGINT) is before
+
+
+QUITTER = """
+import multiprocessing, os, signal, sys, time
+from runner import signals
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,))
+    child.start()
+    print(child.pid, flush=True)
+    signals.keep_ignoring_after_stop()
+    with signals.sigterm_interrupts(""):  # a command other than run: no rows to speak of
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        finally:
+            for s in (signal.SIGTERM, signal.SIGINT, signal.SIGINT):
+                os.kill(os.getpid(), s)
+                time.sleep(0.2)
+            print("not ended", flush=True)
+"""
+
+
+def test_in_the_command_line_the_second_ctrl_c_after_a_stop_quits_and_kills_the_engine_core(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "quitter.py"
+    script.write_text(QUITTER)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+    assert done.returncode == 130 and "not ended" not in done.stdout, done
+    assert [ln for ln in done.stderr.splitlines() if ln] == ["Stopping: Ctrl-C again quits at once",
+                                                             "Error: stopped again: quit at once"]
+    child = int(done.stdout.split()[0])
+    for _ in range(50):  # killed, then reaped by init: gone within moments
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        import time
+        time.sleep(0.1)
+    else:
+        pytest.fail("the child outlived the quit")

@@ -335,11 +335,12 @@ def test_verify_shows_differing_outputs_with_their_control_characters_escaped(ma
     def factory(j, kind="vllm"):  # with drafts, text that is not JSON: shown as the model wrote it
         drafting = j.engine.speculative is not None
         plain = json.dumps({"summary": "plain", "sentiment": "neutral"})
-        return FakeEngine(SCHEMA, respond=lambda r: '{"summary": "\x1b]0;owned\x07\nx' if drafting else plain)
+        return FakeEngine(SCHEMA, respond=lambda r: '{"summary": "\x1b]0;owned\x07\nx\\x0a\u202e' if drafting else plain)
 
     monkeypatch.setattr(runner.engines, "build_engine", factory)
     out = CliRunner().invoke(cli, ["verify", "--engine", "fake", "--rows", "2", str(make_job(rows=3))])
     assert out.exit_code == 0, out.output
     assert "\x1b" not in out.output and "\x07" not in out.output
-    assert '    with drafts:    {"summary": "\\x1b]0;owned\\x07\\x0ax\n' in out.output
+    # a newline and the text "\x0a" read apart; a bidirectional override is shown, not obeyed
+    assert '    with drafts:    {"summary": "\\x1b]0;owned\\x07\\x0ax\\\\x0a\\u202e\n' in out.output
     assert '    without drafts: {"summary": "plain", "sentiment": "neutral"}' in out.output
