@@ -131,8 +131,9 @@ def job_settings(fn):
 @click.option("--limit", type=click.IntRange(min=1), default=None,
               help="Run only the first N input rows (a smoke run); the rest are left for a later run.")
 @click.option("--restart", is_flag=True,
-              help="Run every row again: the job's stored results move to results_history, where "
-                   "stats, export and report of the runs that made them still find them.")
+              help="Run every row again: each stored result stays until its new one replaces it, then moves "
+                   "to results_history, where stats, export and report of the run that made it still find it; "
+                   "stopped midway, the next run (with or without --restart) goes on with the rest.")
 @click.option("--retry-failed", is_flag=True,
               help="Run the rows whose status is not ok again (with the job as it is now); ok rows stay.")
 @click.option("--wait", is_flag=True, help="If the job is already running, wait for it instead of exiting.")

@@ -150,10 +150,17 @@ def _file_path(output: str) -> Path:
     return Path(output)
 
 
-def _write_text(path: Path, text: str, reading: Path) -> None:
+def _write_text(path: Path, text: str, reading: Path, keep: dict) -> None:
     from runner.export import write_whole
 
-    write_whole(path, lambda part: part.write_text(text, encoding="utf-8"), reading=reading)
+    write_whole(path, lambda part: part.write_text(text, encoding="utf-8"), reading=reading, keep=keep)
+
+
+def _job_sources(job, overrides) -> dict:
+    """The files the job given with --job reads: an export or report is not written over them."""
+    from runner.spec import job_sources
+
+    return job_sources(job, overrides) if job else {}
 
 
 def _killed_run_stats(r: dict) -> dict:
@@ -214,7 +221,7 @@ def report(run_id, job, db, overrides, output):
     if output == "-":
         say(html, nl=False)
         return
-    _write_text(_file_path(output), html, reading=store.path)
+    _write_text(_file_path(output), html, reading=store.path, keep=_job_sources(job, overrides))
     confirm(f"Report: {output}")
 
 
@@ -231,9 +238,14 @@ def export(run_id, job, db, overrides, fmt_, output):
     later run replaced included), or without RUN_ID the whole job's (--job: the latest result of
     every row, whichever run made it).
 
-    Scalar fields become columns named extraction_FIELD; arrays and objects become JSON text in
-    extraction_FIELD_json (a name taken already, as by a field called json, gets _2). Then come run_id, fingerprint, created_at_utc and the model's raw
-    output_text.
+    The result's own columns come first (row_id, group_key, status, error, token counts,
+    finish_reason, latency_ms, attempts, first_status, extraction_json). Then the extraction's
+    fields: a scalar as extraction_FIELD; an array, an object or a field of several types as JSON
+    text in extraction_FIELD_json, every value JSON, a string quoted (a name taken already, as by
+    a field called json, gets _2). Then run_id, fingerprint, created_at_utc, the model's raw
+    output_text and document_tokens_cut. Row ids are text, whatever their type in the input.
+    The job's own files (with --job) are refused as -o, as is the database; a compressed name
+    (.gz) is refused: compress the file after.
 
     \b
     Example:
@@ -253,7 +265,8 @@ def export(run_id, job, db, overrides, fmt_, output):
     if run_id is not None:
         _run_of(store, run_id, job_name)
     to_stdout = output == "-"
-    n = export_run(store, run_id, fmt_, target, None if run_id is not None else job_name)
+    n = export_run(store, run_id, fmt_, target, None if run_id is not None else job_name,
+                   keep=_job_sources(job, overrides))
     (warn if to_stdout else confirm)(f"Exported {plural(n, 'row')} to {'stdout' if to_stdout else output}")
     # against the rows written, read in one snapshot: a prune while it ran would make a second read differ
     stats = store.stats(run_id) if run_id is not None else None

@@ -30,6 +30,9 @@ def format_for(output: str, given: Optional[str]) -> str:
     """The export format: --format, else the output file's suffix. A suffix that names another
     format than --format is refused (CSV in a file named .parquet would fool whatever reads it)."""
     named = _SUFFIXES.get(Path(output).suffix.lower()) if output != "-" else None
+    if output != "-" and Path(output).suffix.lower() in (".gz", ".bz2", ".zst", ".xz", ".zip"):
+        raise SpecError(f"{output}: exports are not compressed: name the file {Path(output).stem} "
+                        "and compress it after (Parquet compresses its own columns)")
     if given and named and given != named:
         raise SpecError(f"{output}: the file's name says {named}, --format says {given}")
     if given or named:
@@ -53,9 +56,11 @@ def flat_fields(schema: dict) -> dict[str, bool]:
     return out
 
 
-def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path], job_name: Optional[str] = None) -> int:
+def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path], job_name: Optional[str] = None,
+               keep: Optional[dict[Path, str]] = None) -> int:
     """Write run_id's results (or, with job_name, the job's latest result for every row) to `out`,
-    or to stdout when out is None; returns the number of rows. Streamed in batches of
+    or to stdout when out is None; returns the number of rows. `keep`: files `out` must not be (the
+    job's own: write_whole). Streamed in batches of
     BATCH_ROWS: a first pass over the rows fixes each extraction column's type, so memory stays
     bounded whatever the job's size."""
     run = store.run(run_id) if job_name is None else next(iter(store.latest_runs(job_name, 1)), None)
@@ -75,7 +80,7 @@ def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path
         written[0] = _write(_tables(store.results_of(run_id, job_name), fields, schema), schema, fmt, sink)
 
     if out is not None:
-        write_whole(out, write, reading=store.path, check=store.check_unchanged)
+        write_whole(out, write, reading=store.path, check=store.check_unchanged, keep=keep)
         return written[0]
     try:
         write(None)
@@ -155,7 +160,7 @@ def _table(rows: list[dict], fields: dict[str, bool], schema):
     values = [_value(r) for r in rows]
     for f, name in _column_names(fields).items():
         text = pa.types.is_string(schema.field(name).type)
-        cols[name] = [_cell(v.get(f), text) for v in values]
+        cols[name] = [_cell(v.get(f), text, as_json=not fields[f]) for v in values]
     try:
         return pa.table({name: pa.array(cols[name], schema.field(name).type) for name in schema.names}, schema=schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):  # a value the first pass did not see
@@ -163,24 +168,30 @@ def _table(rows: list[dict], fields: dict[str, bool], schema):
                          "export again when it has ended") from None
 
 
-def _cell(v, text: bool):
-    """A field's value for its column: as it is, or as text in a text column (JSON for non-strings)."""
-    if v is None or not text or isinstance(v, str):
+def _cell(v, text: bool, as_json: bool = False):
+    """A field's value for its column: as it is, or as text in a text column (JSON for non-strings).
+    In an extraction_FIELD_json column every value is JSON, a string too (`"x"`, quoted): a model
+    that answered a string where the schema has an array, or a field of several types, still reads
+    back with json.loads, and the string '["x"]' stays apart from the array ["x"]."""
+    if v is None or not text or isinstance(v, str) and not as_json:
         return v
     return json.dumps(v, ensure_ascii=False)
 
 
 def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Path] = None,
-                check: Optional[Callable[[], None]] = None) -> None:
+                check: Optional[Callable[[], None]] = None, keep: Optional[dict[Path, str]] = None) -> None:
     """A file written whole or not at all: `write` fills a file beside `path`, which is then
     renamed over it, so a failed write (a full disk) leaves the file from before as it was. A
     symbolic link keeps pointing where it did, at the new file; a path that is not a regular file
     (a pipe, `/dev/stdout`, a device) is written into as it is. `reading` (the results database the
     rows come from) is refused as the path; `check` runs before the file replaces the old one (a read
-    that may be mixed leaves it as it was). Exports and reports; an OutputFileError names the path."""
+    that may be mixed leaves it as it was); so is a file of `keep` (resolved path -> what it is: the
+    job's own files). Exports and reports; an OutputFileError names the path."""
     target = Path(os.path.realpath(path))
     if reading is not None and _same_database(target, reading):
         raise OutputFileError(f"{path}: is the results database being read: give another file")
+    if keep and target in keep:  # `-o job.yaml`, `-o data/docs.parquet`: the job would be lost
+        raise OutputFileError(f"{path}: is {keep[target]}: give another file")
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -279,7 +290,8 @@ def _write_all(stream, data: bytes) -> None:
 def _column_names(fields: dict[str, bool]) -> dict[str, str]:
     """Each extraction field's column: extraction_FIELD (a scalar) or extraction_FIELD_json. A name
     the export already has (a field called `json` is the result's own extraction_json; a field
-    `tags_json` beside an array `tags`) gets _2, _3... in the order of the schema's fields."""
+    `tags_json` beside an array `tags`) gets _2, _3... in the order `fields` gives them (the stored
+    schema's, whose keys are sorted)."""
     taken = set(EXPORT_COLUMNS) | set(EXPORT_COLUMNS_ADDED)
     names = {}
     for field, scalar in fields.items():

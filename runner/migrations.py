@@ -245,10 +245,18 @@ def m013_verification_settings(conn: Connection) -> None:
     conn.exec_driver_sql("ALTER TABLE verifications ADD COLUMN settings_sha256 TEXT")
 
 
+def m014_set_aside(conn: Connection) -> None:
+    # --restart marks the job's rows to be run again (when), where it moved them all to
+    # results_history at once: a stopped restart left every row it had not reached out of results
+    # and out of `export --job`. Each now moves as its new result is stored.
+    for table in ("results", "results_history"):
+        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN set_aside_at_utc TEXT")
+
+
 MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations, m005_fingerprints,
               m006_verifications_and_drafts, m007_output_token_ids, m008_rejected_rows,
               m009_verification_discordant_rows, m010_history_by_run, m011_samples_failed_rows,
-              m012_document_tokens_cut, m013_verification_settings]
+              m012_document_tokens_cut, m013_verification_settings, m014_set_aside]
 
 
 def utc_now() -> str:

@@ -30,16 +30,15 @@ class Work:
 
 
 def restart(store: Store, job: Job, scan: InputScan) -> tuple[int, str]:
-    """--restart sets the job's stored rows aside: (how many of them are in this run's input, a note).
-    Where input.limit (--limit) cut the input, only the rows this run takes: a smoke run does not
-    undo the rest."""
+    """--restart marks the job's stored rows to be run again: (how many of them are in this run's
+    input, a note). Where input.limit (--limit) cut the input, only the rows this run takes: a
+    smoke run does not undo the rest."""
     limited = scan.cut_by_limit
-    stored = store.input_counts(job.name, scan.ids.path, "").stored
-    moved = store.set_aside_results(job.name, only_ids=scan.ids.path if limited else None)
-    note = f"--restart set {plural(moved, 'stored row')} aside to results_history"
+    marked, moved = store.set_aside_results(job.name, scan.ids.path, limited)
+    note = f"--restart set {plural(marked, 'stored row')} aside: each stays stored until its new result replaces it"
     if limited:
-        return stored, note + " (input.limit: only the rows this run takes)"
-    return stored, note + (f"; {moved - stored:,} of them not in this run's input" if moved > stored else "")
+        return marked, note + "; input.limit: only the rows this run takes"
+    return marked, note + (f"; {moved:,} not in this run's input moved to results_history" if moved else "")
 
 
 def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool, counted: Optional[InputCounts] = None) -> Work:

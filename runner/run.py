@@ -129,7 +129,7 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
         opts.on_input_ok()
     store.mark_abandoned_runs(job.name)  # first: a killed run ended at its last stored row, set aside below
     restarted = restart(store, job, scan) if opts.restart else None
-    # the fingerprint has the backend as configured; after --restart no row of the input is stored
+    # the fingerprint has the backend as configured; after --restart no row of the input is done
     work = work_to_do(store, job, scan, opts.retry_failed, counted=InputCounts(0, 0, 0) if restarted else None)
     for note in work.notes if opts.notify is not None else ():
         opts.notify(note)
@@ -145,7 +145,8 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
         if work.redone and opts.notify is not None:
             opts.notify(f"running {plural(work.redone, 'stored row')} again: " + (restarted[1] if restarted else
                 "--retry-failed" if opts.retry_failed else
-                "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"))
+                "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"
+                if work.reasons else "a --restart that stopped before it reached them set them aside"))
         key = calibration_key(job, prompt_keys(job, scan), opts.backend)
         job, gated = _verify_gate(job, store, key, opts)
         if gated:

@@ -219,6 +219,28 @@ def job_results(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Path, 
     return _resolve(shown.resolve().parent, spec.output.database), spec.name
 
 
+def job_sources(path: str | Path, overrides: Sequence[str] = ()) -> dict[Path, str]:
+    """The files a job reads (itself, its schema, engine config, system prompt file and input files)
+    -> what each is: an export or report must not be written over one. Those that are gone, or
+    that the job no longer names readably, are left out: this only guards."""
+    import contextlib
+
+    from runner.input_paths import input_files
+
+    shown = Path(path)
+    base = shown.resolve().parent
+    out = {shown.resolve(): "the job file"}
+    with contextlib.suppress(Exception):  # a job that no longer loads: its own file is guarded still
+        spec = JobFile.model_validate(apply_overrides(read_yaml(shown), overrides))
+        named = {"the job's output_schema": spec.output_schema, "the job's engine.config": spec.engine.config,
+                 "the job's prompts.system_file": spec.prompts.system_file}
+        out.update({_resolve(base, p).resolve(): what for what, p in named.items() if p})
+        with contextlib.suppress(Exception):
+            out.update({Path(f).resolve(): "one of the job's input files"
+                        for f in input_files(str(_resolve(base, spec.input.path)), spec.input.format)})
+    return out
+
+
 def _load(shown: Path, raw: dict[str, Any], check_engine: bool = True) -> Job:
     from runner.models import resolve_model
 

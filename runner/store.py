@@ -29,7 +29,8 @@ from runner.store_sqlite import (DoneFilter, Transaction, check_unchanged, named
 
 _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({', '.join('?' * len(RESULT_COLUMNS))}) "
                    f"ON CONFLICT (job_name, row_id) DO UPDATE SET "
-                   + ", ".join(f"{c} = excluded.{c}" for c in RESULT_COLUMNS if c not in ("job_name", "row_id")))
+                   + ", ".join(f"{c} = excluded.{c}" for c in RESULT_COLUMNS if c not in ("job_name", "row_id"))
+                   + ", set_aside_at_utc = NULL")  # run again after --restart: done
 
 _TABLES = ("runs", "results", "run_stats", "run_samples", "calibrations", "fingerprints", "results_history",
            "verifications", "drafts")
@@ -149,7 +150,7 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
         """Rows a run skips: made by this fingerprint (or before fingerprints existed), or with
         `ok_only` (--retry-failed) every row whose status is ok, whatever made it."""
         r = self.results.c
-        q = select(r.row_id).where(r.job_name == job_name)
+        q = select(r.row_id).where(r.job_name == job_name, r.set_aside_at_utc.is_(None))  # not those --restart marked
         if ok_only:
             q = q.where(r.status == "ok")
         elif fingerprint is not None:
@@ -173,16 +174,17 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
                 select(f.fingerprint, f.components_json).where(f.job_name == job_name))}
 
     def rows_by_fingerprint(self, job_name: str) -> list[dict]:
-        """Per fingerprint: rows by status and when they were made."""
+        """Per fingerprint: rows by status, when they were made, and how many --restart set aside."""
         r = self.results.c
-        q = select(r.fingerprint, r.status, func.count(), func.min(r.created_at_utc), func.max(r.created_at_utc)) \
-            .where(r.job_name == job_name).group_by(r.fingerprint, r.status)
+        q = select(r.fingerprint, r.status, func.count(), func.min(r.created_at_utc), func.max(r.created_at_utc),
+                   func.count(r.set_aside_at_utc)).where(r.job_name == job_name).group_by(r.fingerprint, r.status)
         out: dict = {}
         with self.engine.connect() as conn:
-            for fp, status, n, first, last in conn.execute(q):
+            for fp, status, n, first, last, aside in conn.execute(q):
                 e = out.setdefault(fp, {"fingerprint": fp, "rows": 0, "statuses": {}, "first_at_utc": first,
-                                        "last_at_utc": last})
+                                        "last_at_utc": last, "set_aside": 0})
                 e["rows"] += n
+                e["set_aside"] += aside
                 e["statuses"][status] = n
                 e["first_at_utc"], e["last_at_utc"] = min(e["first_at_utc"], first), max(e["last_at_utc"], last)
             history = conn.execute(select(func.count()).select_from(self.history)

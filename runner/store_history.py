@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
-from typing import Optional
 
 from runner.errors import StoreError
 from runner.migrations import utc_now
@@ -58,24 +57,27 @@ class HistoryRecords:
                 conn.exec_driver_sql(f"{_TO_HISTORY} AND row_id IN ({', '.join('?' * len(part))})",
                                      (now, rows[0].run_id, job, *part))
 
-    def set_aside_results(self, job_name: str, only_ids: Optional[Path] = None) -> int:
-        """`--restart`: move the job's stored rows (or only those whose ids are in the `only_ids` file,
-        runner/row_ids.py) to results_history, replaced by no run, so that the next run redoes them
-        and the runs that made them still show and export them. Returns the rows moved."""
-        if only_ids is None:
-            with self._tx() as conn:
-                conn.exec_driver_sql(_TO_HISTORY, (utc_now(), None, job_name))
-                return conn.execute(self.results.delete().where(self.results.c.job_name == job_name)).rowcount
+    def set_aside_results(self, job_name: str, ids: Path, limited: bool) -> tuple[int, int]:
+        """`--restart`: mark the job's stored rows whose ids are in the input's `ids` file
+        (runner/row_ids.py) to be run again; each stays in `results` (and in `export --job`) until
+        its new result moves it to results_history, so a restart stopped midway loses no row, and
+        the next run goes on with the rest. Not `limited` (by --limit), the job's rows that are not
+        in the input move to results_history now, replaced by no run: no run would replace them.
+        Returns (rows marked, rows moved)."""
         # A connection of its own: SQLite attaches no file inside a transaction.
         con = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
         try:
-            con.execute("ATTACH DATABASE ? AS scan", (str(only_ids),))
+            con.execute("ATTACH DATABASE ? AS scan", (str(ids),))
             con.execute("BEGIN IMMEDIATE")
-            in_ids = " AND row_id IN (SELECT id FROM scan.ids)"
-            con.execute(_TO_HISTORY + in_ids, (utc_now(), None, job_name))
-            moved = con.execute("DELETE FROM results WHERE job_name = ?" + in_ids, (job_name,)).rowcount
+            marked = con.execute("UPDATE results SET set_aside_at_utc = ? WHERE job_name = ? AND row_id IN "
+                                 "(SELECT id FROM scan.ids)", (utc_now(), job_name)).rowcount
+            moved = 0
+            if not limited:
+                gone = " AND row_id NOT IN (SELECT id FROM scan.ids)"
+                con.execute(_TO_HISTORY + gone, (utc_now(), None, job_name))
+                moved = con.execute("DELETE FROM results WHERE job_name = ?" + gone, (job_name,)).rowcount
             con.execute("COMMIT")
-            return moved
+            return marked, moved
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: {exc}") from None
         finally:

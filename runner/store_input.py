@@ -21,8 +21,10 @@ class InputRecords:
         room) of rows a run would keep (see adopt_uncut_rows), counted as this version's."""
         fps, room = adoptable
         also = f" OR (r.fingerprint IN ({', '.join('?' * len(fps))}) AND {uncut_within('r')})" if fps else ""
-        q = (f"SELECT count(*), coalesce(sum(r.fingerprint = ? OR r.fingerprint IS NULL{also}), 0), "
-             "coalesce(sum(r.status = 'ok'), 0) FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id")
+        # a row --restart set aside is stored, but neither this version's nor ok: the next run redoes it
+        q = (f"SELECT count(*), coalesce(sum((r.fingerprint = ? OR r.fingerprint IS NULL{also}) "
+             "AND r.set_aside_at_utc IS NULL), 0), coalesce(sum(r.status = 'ok' AND r.set_aside_at_utc IS NULL), 0) "
+             "FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id")
         params = (fingerprint, *fps, room, CUT_SLACK_TOKENS) if fps else (fingerprint,)
         return InputCounts(*self._with_input_ids(ids_file, q, (*params, job_name))[0])
 

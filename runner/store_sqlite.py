@@ -145,7 +145,9 @@ class DoneFilter:
 
     def __init__(self, path: Path, job_name: str, fingerprint: str, ok_only: bool):
         self.path, self.job_name, self.fingerprint = path, job_name, fingerprint
-        self.cond = "status = 'ok'" if ok_only else "(fingerprint = ? OR fingerprint IS NULL)"
+        # a row --restart set aside is stored (and exported) until its new result replaces it: not done
+        self.cond = ("status = 'ok'" if ok_only else "(fingerprint = ? OR fingerprint IS NULL)") + \
+            " AND set_aside_at_utc IS NULL"
         self.ok_only = ok_only
         self._con: Optional[sqlite3.Connection] = None
         self._closed = False

@@ -202,6 +202,20 @@ def test_the_reports_throughput_counts_rows_generated_not_rows_failed():
     assert generated_rates(samples) == ([1.0, 3.0], [2.0, 3.0])
 
 
+
+def test_the_reports_throughput_spans_at_least_a_second_a_point():
+    """An engine step's rows stored in commits a millisecond apart read as 4,000 a second, then 0."""
+    from runner.report import generated_rates
+
+    samples = [dict(elapsed_s=0.0, rows_done=0, rows_failed=0)]
+    for step in range(1, 41):  # every 0.1 s an engine step finishes 8 rows, stored in two commits of 4
+        samples += [dict(elapsed_s=step / 10, rows_done=8 * step - 4, rows_failed=0),
+                    dict(elapsed_s=step / 10 + 0.001, rows_done=8 * step, rows_failed=0)]
+    xs, ys = generated_rates(samples)
+    assert len(xs) == 4 and all(b - a >= 0.99 for a, b in zip([0.0] + xs, xs)) and xs[-1] == samples[-1]["elapsed_s"]
+    assert all(75 <= y <= 85 for y in ys), ys  # 80 a second throughout
+
+
 def test_jsonl_csv_and_openai_batch_inputs_run_like_parquet(make_job, tmp_path):
     """The same documents as JSON Lines (in hive partitions), CSV, and an OpenAI batch file
     (vLLM run_batch's input) give the same rows, prompts and groups as Parquet."""

@@ -529,3 +529,35 @@ def test_a_run_stopped_before_its_first_row_still_records_how_long_it_ran(make_j
     assert got == [("interrupted", "stopped by Ctrl-C (SIGINT); finished rows are stored, rerun to resume", 0, 1),
                    ("failed", "no GPU", 0, 1)]
     assert count(job.database_path) == 0
+
+
+def test_a_restart_stopped_midway_keeps_every_row_and_the_next_run_finishes_it(make_job, tmp_path, fake_env):
+    """--restart moved every stored row to results_history before it ran: stopped midway, `export
+    --job` had only the rows it had redone (a nightly `run --restart; export` shipped a part), and
+    its stats said it ran no row again."""
+    job = make_job(rows=ROWS, job={"output": {"commit_every_rows": 1}})
+    db = tmp_path / "out" / "results.sqlite"
+    assert run_here("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    first = stored(db)
+    proc = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", "--restart", job),
+                            env=dict(fake_env, RUNNER_FAKE_DELAY_S="0.05"), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: sum(r[0] == 2 for r in stored(db).values()) >= 3 or proc.poll() is not None, "redone rows")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 130
+    mid = stored(db)
+    redone = {k for k, v in mid.items() if v[0] == 2}
+    assert set(mid) == set(first) and 3 <= len(redone) < ROWS  # every row still stored, old or new
+    assert all(mid[k] == first[k] for k in set(first) - redone)
+    out = run_here("export", "--job", job, "--format", "csv", "-o", tmp_path / "all.csv")
+    assert out.exit_code == 0 and (tmp_path / "all.csv").read_text().count("\n") == ROWS + 1
+    shown = run_here("status", job).output
+    assert f"next run: {ROWS - len(redone)} of {ROWS} input rows to run ({ROWS - len(redone)} set aside by --restart)" in shown
+    assert f"{ROWS - len(redone)} of them set aside by --restart (run again next)" in shown
+    assert json.loads(run_here("stats", "2", "--db", db, "--json").output)[0]["stats"]["rows_redone"] == len(redone)
+    assert run_here("run", "--engine", "fake", "--quiet", job).exit_code == 0  # goes on without --restart
+    last = stored(db)
+    assert {k for k, v in last.items() if v[0] == 3} == set(first) - redone  # each of the rest once
+    assert all(last[k] == mid[k] for k in redone)
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT count(*) FROM results_history").fetchone() == (ROWS,)  # each first version once
+    assert con.execute("SELECT count(*) FROM results WHERE set_aside_at_utc IS NOT NULL").fetchone() == (0,)

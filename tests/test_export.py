@@ -287,3 +287,45 @@ def test_a_prune_during_an_export_does_not_call_the_rows_written_missing(db, tmp
     out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "-o", str(tmp_path / "all.jsonl")])
     assert out.exit_code == 0 and "Note:" not in out.output, out.output
     assert len((tmp_path / "all.jsonl").read_text().splitlines()) > 0
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "jsonl"])
+def test_every_value_of_a_json_column_reads_back_as_json(make_job, tmp_path, fmt):
+    """A string where the schema has an array (a schema_mismatch row, or a field of several types)
+    was written as it was: 'fake r2' in extraction_tags_json, which json.loads refuses, and the
+    string '["x"]' exported as the array ["x"] did."""
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}},
+                                               "either": {"type": ["string", "array"]}}, "required": ["tags", "either"]}
+    job = load_job(make_job(rows=3, schema=schema))
+    answers = {"r000": {"tags": ["x"], "either": '["x"]'}, "r001": {"tags": "fake r1", "either": ["x"]},
+               "r002": {"tags": '["x"]', "either": "plain"}}
+    run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema, respond=lambda r: json.dumps(answers[r.row_id])))
+    got = exported(job.database_path, fmt, tmp_path)
+    rows = {r["row_id"]: r for r in (got.to_pylist() if fmt == "parquet" else got)}
+    for rid, want in answers.items():
+        assert json.loads(rows[rid]["extraction_tags_json"]) == want["tags"]
+        assert json.loads(rows[rid]["extraction_either_json"]) == want["either"]
+
+
+def test_an_export_or_report_over_one_of_the_jobs_own_files_is_refused(make_job, tmp_path):
+    """`-o job.yaml` or `-o data/docs.parquet` replaced the job file or its input, exit 0."""
+    job = make_job(rows=3)
+    assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".parquet")}
+    cases = [(job, "the job file"), (tmp_path / "data" / "docs.parquet", "one of the job's input files"),
+             (tmp_path / "schemas" / "out.json", "the job's output_schema"),
+             (tmp_path / "configs" / "engine.yaml", "the job's engine.config")]
+    for target, what in cases:
+        fmt = [] if target.suffix == ".parquet" else ["--format", "csv"]
+        for args in (["export", "--job", str(job), *fmt], ["report", "1", "--job", str(job)]):
+            out = CliRunner().invoke(cli, [*args, "-o", str(target)])
+            if args[0] == "report" and target.suffix in (".parquet", ".json"):
+                continue  # refused already as a data file's name
+            assert out.exit_code == 6 and out.output == f"Error: {target}: is {what}: give another file\n", (args, out.output)
+    assert all(p.read_bytes() == data for p, data in before.items())
+
+
+def test_a_compressed_name_is_refused_rather_than_written_uncompressed(db, tmp_path):
+    out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "csv", "-o", str(tmp_path / "x.csv.gz")])
+    assert out.exit_code == 2 and "x.csv.gz: exports are not compressed: name the file x.csv" in out.output
+    assert not (tmp_path / "x.csv.gz").exists()

@@ -83,7 +83,7 @@ def test_restart_sets_the_stored_rows_aside_and_their_run_still_shows_them(make_
     assert export_run(store, first.run_id, "csv", out) == 10
     *groups, history = store.rows_by_fingerprint(job.name)
     assert history["history_rows"] == 3 and sum(g["rows"] for g in groups) == 10
-    assert store.rows_replaced_by(redo.run_id) == 0  # set aside before it ran: it replaced none of them
+    assert store.rows_replaced_by(redo.run_id) == 3  # each moved to the history as its new result was stored
     again = run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
     assert again.rows_skipped == 10 and again.stats["rows_total"] == 0  # nothing left undone by the smoke run
 
@@ -391,8 +391,8 @@ def test_restart_with_a_limit_sets_aside_only_the_rows_it_runs_and_refuses_retry
     assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
     out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--restart", "--limit", "2", str(job)])
     assert out.exit_code == 0, out.output
-    assert ("Note: running 2 stored rows again: --restart set 2 stored rows aside to results_history "
-            "(input.limit: only the rows this run takes)") in out.stderr
+    assert ("Note: running 2 stored rows again: --restart set 2 stored rows aside: each stays stored until its "
+            "new result replaces it; input.limit: only the rows this run takes") in out.stderr
     db = tmp_path / "out" / "results.sqlite"
     count = lambda table: sqlite3.connect(db).execute(f"SELECT count(*) FROM {table}").fetchone()[0]  # noqa: E731
     assert (count("results"), count("results_history")) == (6, 2)
@@ -402,13 +402,15 @@ def test_restart_with_a_limit_sets_aside_only_the_rows_it_runs_and_refuses_retry
                                                    "that are not ok\n")
     assert (count("results"), count("results_history"), count("runs")) == (6, 2, 2)
     out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--restart", str(job)])
-    assert "Note: running 6 stored rows again: --restart set 6 stored rows aside to results_history\n" in out.stderr
+    assert ("Note: running 6 stored rows again: --restart set 6 stored rows aside: each stays stored until its "
+            "new result replaces it\n") in out.stderr
     # a limit the input does not reach (a cap kept in the job) cuts nothing: --restart is whole
     docs = tmp_path / "data" / "docs.parquet"
     pq.write_table(pq.read_table(docs).slice(0, 4), docs)
     out = CliRunner().invoke(cli, ["run", "--engine", "fake", "--restart", "--limit", "100", str(job)])
-    assert ("Note: running 4 stored rows again: --restart set 6 stored rows aside to results_history; 2 of them not "
-            "in this run's input\n") in out.stderr
+    assert ("Note: running 4 stored rows again: --restart set 4 stored rows aside: each stays stored until its "
+            "new result replaces it; 2 not in this run's input moved to results_history\n") in out.stderr
+    assert count("results") == 4
 
 
 def test_a_second_job_file_with_the_same_name_and_database_is_named(make_job, tmp_path):
