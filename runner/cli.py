@@ -133,9 +133,11 @@ def job_settings(fn):
 @click.option("--restart", is_flag=True,
               help="Run every row again: each stored result stays until its new one replaces it, then moves "
                    "to results_history, where stats, export and report of the run that made it still find it; "
-                   "stopped midway, the next run (with or without --restart) goes on with the rest.")
+                   "stopped midway, the next run goes on with the rest (a next --restart too, while rows "
+                   "are still set aside).")
 @click.option("--retry-failed", is_flag=True,
-              help="Run the rows whose status is not ok again (with the job as it is now); ok rows stay.")
+              help="Run the rows whose status is not ok again (with the job as it is now); ok rows stay, "
+                   "except those a stopped --restart set aside.")
 @click.option("--wait", is_flag=True, help="If the job is already running, wait for it instead of exiting.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing on success (for cron); errors still print.")
 @click.option("--verbose", "-v", is_flag=True, help="vLLM's and torch's output to stderr instead of the job's log file.")

@@ -150,7 +150,7 @@ def _file_path(output: str) -> Path:
     return Path(output)
 
 
-def _write_text(path: Path, text: str, reading: Path, keep: dict) -> None:
+def _write_text(path: Path, text: str, reading: Path, keep) -> None:
     from runner.export import write_whole
 
     write_whole(path, lambda part: part.write_text(text, encoding="utf-8"), reading=reading, keep=keep)
@@ -160,7 +160,7 @@ def _job_sources(job, overrides) -> dict:
     """The files the job given with --job reads: an export or report is not written over them."""
     from runner.spec import job_sources
 
-    return job_sources(job, overrides) if job else {}
+    return job_sources(job, overrides) if job else None
 
 
 def _killed_run_stats(r: dict) -> dict:

@@ -39,8 +39,8 @@ def status(job, overrides):
     except SpecError as exc:  # a retired job (its schema or prompts gone): what is stored still shows,
         spec, unloaded = None, exc  # then the error, whose exit code (2) monitoring reads
     name = spec.name if spec is not None else job_results(job, overrides)[1]
-    next_run = (lambda store, aside=0: _next_run(spec, store, aside)) if spec is not None else (
-        lambda store, aside=0: "next run: not counted: the job does not load (below)")
+    next_run = (lambda store: _next_run(spec, store)) if spec is not None else (
+        lambda store: "next run: not counted: the job does not load (below)")
     try:
         store, _ = _open_store(job, None, overrides)
     except NotFound as exc:  # no file yet, or an empty one
@@ -68,13 +68,13 @@ def status(job, overrides):
         else:
             what = "changed: " + (", ".join(changed_parts(known[fp], components)) if fp in known else "unknown")
         statuses = ", ".join(f"{k} {v}" for k, v in sorted(g["statuses"].items()))
-        aside = f"; {g['set_aside']:,} of them set aside by --restart (run again next)" if g["set_aside"] else ""
+        aside = f"; {g['set_aside']:,} of them set aside by --restart" if g["set_aside"] else ""
         rows.append((fp or "-", f"{plural(g['rows'], 'row')} ({statuses}), made {g['first_at_utc'][:16]} .. "
                                 f"{g['last_at_utc'][:16]}; {what}{aside}"))
     if rows:
         say(table(rows))
     say(f"earlier results kept in results_history: {history['history_rows']:,}")
-    say(next_run(store, sum(g["set_aside"] for g in groups)))
+    say(next_run(store))
     store.check_unchanged()
     if unloaded is not None:
         raise unloaded from None
@@ -133,7 +133,7 @@ def prune(job, keep_versions, dry_run, wait, overrides):
         f"results_history ({kept})")
 
 
-def _next_run(spec, store, set_aside: int = 0) -> str:
+def _next_run(spec, store) -> str:
     """What the next `runner run` of spec has to do, as one line: input rows to run (new, or stored
     by another version of the job) and, with --retry-failed, rows stored but not ok as well. Counted
     on disk against the input's row ids, as `run` counts them; an input that a run would refuse is
@@ -164,7 +164,7 @@ def _next_run(spec, store, set_aside: int = 0) -> str:
     also = f"; {retry:,} with --retry-failed" if retry != todo else ""
     if not todo:
         return f"next run: nothing to run (all {plural(scan.rows, 'input row')} stored){also}"
-    aside = min(set_aside, redo)  # rows --restart marked: this version's, to be run again
+    aside = counts.set_aside  # rows --restart marked to be run again
     parts = ([f"{todo - redo:,} new"] if todo > redo or not redo else []) + (
         [f"{redo - aside:,} stored by another version"] if redo > aside else []) + (
         [f"{aside:,} set aside by --restart"] if aside else [])

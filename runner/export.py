@@ -30,7 +30,7 @@ def format_for(output: str, given: Optional[str]) -> str:
     """The export format: --format, else the output file's suffix. A suffix that names another
     format than --format is refused (CSV in a file named .parquet would fool whatever reads it)."""
     named = _SUFFIXES.get(Path(output).suffix.lower()) if output != "-" else None
-    if output != "-" and Path(output).suffix.lower() in (".gz", ".bz2", ".zst", ".xz", ".zip"):
+    if output != "-" and Path(output).suffix.lower() in (".gz", ".gzip", ".tgz", ".bz2", ".zst", ".zstd", ".xz", ".lz4", ".zip"):
         raise SpecError(f"{output}: exports are not compressed: name the file {Path(output).stem} "
                         "and compress it after (Parquet compresses its own columns)")
     if given and named and given != named:
@@ -57,7 +57,7 @@ def flat_fields(schema: dict) -> dict[str, bool]:
 
 
 def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path], job_name: Optional[str] = None,
-               keep: Optional[dict[Path, str]] = None) -> int:
+               keep: Optional[Callable[[Path], Optional[str]]] = None) -> int:
     """Write run_id's results (or, with job_name, the job's latest result for every row) to `out`,
     or to stdout when out is None; returns the number of rows. `keep`: files `out` must not be (the
     job's own: write_whole). Streamed in batches of
@@ -179,19 +179,20 @@ def _cell(v, text: bool, as_json: bool = False):
 
 
 def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Path] = None,
-                check: Optional[Callable[[], None]] = None, keep: Optional[dict[Path, str]] = None) -> None:
+                check: Optional[Callable[[], None]] = None, keep: Optional[Callable[[Path], Optional[str]]] = None) -> None:
     """A file written whole or not at all: `write` fills a file beside `path`, which is then
     renamed over it, so a failed write (a full disk) leaves the file from before as it was. A
     symbolic link keeps pointing where it did, at the new file; a path that is not a regular file
     (a pipe, `/dev/stdout`, a device) is written into as it is. `reading` (the results database the
     rows come from) is refused as the path; `check` runs before the file replaces the old one (a read
-    that may be mixed leaves it as it was); so is a file of `keep` (resolved path -> what it is: the
-    job's own files). Exports and reports; an OutputFileError names the path."""
+    that may be mixed leaves it as it was); so is a path `keep` names (what of the job's own it is:
+    spec.job_sources). Exports and reports; an OutputFileError names the path."""
     target = Path(os.path.realpath(path))
     if reading is not None and _same_database(target, reading):
         raise OutputFileError(f"{path}: is the results database being read: give another file")
-    if keep and target in keep:  # `-o job.yaml`, `-o data/docs.parquet`: the job would be lost
-        raise OutputFileError(f"{path}: is {keep[target]}: give another file")
+    what = keep(target) if keep else None
+    if what:  # `-o job.yaml`, `-o data/docs.parquet`: the job would be lost, or read its results as input
+        raise OutputFileError(f"{path}: is {what}: give another file")
     try:
         mode = os.stat(path).st_mode
     except OSError:

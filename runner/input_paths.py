@@ -3,6 +3,7 @@ it, names that begin with `_` or `.` left out, linked folders followed, each fil
 """
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 from pathlib import Path
@@ -61,6 +62,19 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
         raise InputError(f"{path}: no input files match (Parquet, JSON Lines, CSV: {', '.join(sorted(set(endings)))}; "
                          "names that begin with _ or . are left out unless the pattern names them)")
     return files
+
+
+def would_read(target: str, path: str, declared: Optional[str] = None) -> bool:
+    """Whether a file at `target` (absolute) would be among the files the input path names: one of
+    its format's endings below its folder, or matched by its glob (compared by fnmatch, in which `*`
+    also crosses folders: a guard errs on the side of refusing)."""
+    endings = _endings(declared) if declared else tuple(e for fmt in EXTENSIONS for e in _endings(fmt))
+    if not os.path.basename(target).lower().endswith(endings):
+        return False
+    if os.path.isdir(path):
+        return target.startswith(os.path.realpath(path).rstrip(os.sep) + os.sep)
+    path = os.path.abspath(path)
+    return any(ch in path for ch in "*?[") and fnmatch.fnmatch(target, path.replace("**" + os.sep, "*"))
 
 
 def _globbed(path: str, literal: str) -> list[str]:

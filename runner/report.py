@@ -131,7 +131,7 @@ def generated_rates(samples: list[dict]) -> tuple[list[float], list[float]]:
     """(seconds since the start, documents generated a second since the point before). Failed rows
     were never generated: as in the run's documents/s, they do not count. Each point spans at least
     a second (or a hundredth of the run): one engine step's rows stored in two commits a millisecond
-    apart read as thousands a second, then none."""
+    apart read as thousands a second, then none. A run shorter than that has no points."""
     if len(samples) < 2:
         return [], []
     span = max(1.0, (samples[-1]["elapsed_s"] - samples[0]["elapsed_s"]) / 100)
@@ -141,8 +141,8 @@ def generated_rates(samples: list[dict]) -> tuple[list[float], list[float]]:
         if b["elapsed_s"] - a["elapsed_s"] >= span:
             points.append((a, b))
             a = b
-    if a is not samples[-1] and samples[-1]["elapsed_s"] > a["elapsed_s"]:  # the tail: into the point before
-        points[-1:] = [(points[-1][0] if points else a, samples[-1])]
+    if points and a is not samples[-1]:  # the tail, shorter than a point: into the point before
+        points[-1] = (points[-1][0], samples[-1])
     return ([b["elapsed_s"] for _, b in points],
             [(done(b) - done(a)) / (b["elapsed_s"] - a["elapsed_s"]) for a, b in points])
 

@@ -27,6 +27,7 @@ class Work:
     notes: list[str] = field(default_factory=list)  # what the run changed about the job, and why
     grammar: Optional[dict] = None  # how `structured_output_backend: measure` was decided
     skip: set[int] = field(default_factory=set)  # input row numbers rejected by the scan
+    set_aside: int = 0  # of the rows redone: marked by a --restart that stopped before it ran them
 
 
 def restart(store: Store, job: Job, scan: InputScan) -> tuple[int, str]:
@@ -57,7 +58,8 @@ def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool, coun
         for fp in stale & set(known):
             reasons.update(changed_parts(known[fp], components))
     work = Work(fingerprint, scan.rows - skipped, skipped, redone, sorted(reasons),
-                store.done_filter(job.name, fingerprint, ok_only=retry_failed), skip=scan.skip)
+                store.done_filter(job.name, fingerprint, ok_only=retry_failed), skip=scan.skip,
+                set_aside=counts.set_aside)
     if counted is None and not counts.stored and (renamed := renamed_from(store, job, scan, fingerprint)):
         work.notes.append(renamed)
     if kept:

@@ -122,6 +122,15 @@ def _run(job: Job, engine_factory: Callable[[Job], Engine], opts: RunOptions) ->
         scan.ids.close()
 
 
+def _why_redone(work: Work) -> str:
+    """Why a run without --restart or --retry-failed runs stored rows again."""
+    aside = f"{work.set_aside:,} set aside by a --restart that stopped before it ran them" if work.set_aside else ""
+    if work.redone <= work.set_aside:
+        return aside
+    changed = " (changed: " + ", ".join(work.reasons) + ")" if work.reasons else ""
+    return (aside + "; the others " if aside else "they ") + f"were made by another version of the job{changed}"
+
+
 def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
                 engine_factory: Callable[[Job], Engine], opts: RunOptions) -> RunSummary:
     store.check_integrity()
@@ -143,10 +152,8 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
     try:
         job, work.grammar = job_with_grammar(job)  # one backend for every engine; measured while vLLM imports
         if work.redone and opts.notify is not None:
-            opts.notify(f"running {plural(work.redone, 'stored row')} again: " + (restarted[1] if restarted else
-                "--retry-failed" if opts.retry_failed else
-                "they were made by another version of the job (changed: " + ", ".join(work.reasons) + ")"
-                if work.reasons else "a --restart that stopped before it reached them set them aside"))
+            opts.notify(f"running {plural(work.redone, 'stored row')} again: " + (
+                restarted[1] if restarted else "--retry-failed" if opts.retry_failed else _why_redone(work)))
         key = calibration_key(job, prompt_keys(job, scan), opts.backend)
         job, gated = _verify_gate(job, store, key, opts)
         if gated:

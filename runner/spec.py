@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -219,26 +219,36 @@ def job_results(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Path, 
     return _resolve(shown.resolve().parent, spec.output.database), spec.name
 
 
-def job_sources(path: str | Path, overrides: Sequence[str] = ()) -> dict[Path, str]:
-    """The files a job reads (itself, its schema, engine config, system prompt file and input files)
-    -> what each is: an export or report must not be written over one. Those that are gone, or
-    that the job no longer names readably, are left out: this only guards."""
+def job_sources(path: str | Path, overrides: Sequence[str] = ()) -> Callable[[Path], Optional[str]]:
+    """A test of a path an export or report would write: what of the job's own it is (the job, its
+    schema, engine config, prompt files, an input file, or a file its input path would read next
+    time), or None. Parts the job no longer names readably are left out: this only guards."""
     import contextlib
 
-    from runner.input_paths import input_files
+    from runner.input_paths import input_files, would_read
 
     shown = Path(path)
     base = shown.resolve().parent
-    out = {shown.resolve(): "the job file"}
+    files = {shown.resolve(): "the job file"}
+    input_path = None
     with contextlib.suppress(Exception):  # a job that no longer loads: its own file is guarded still
         spec = JobFile.model_validate(apply_overrides(read_yaml(shown), overrides))
         named = {"the job's output_schema": spec.output_schema, "the job's engine.config": spec.engine.config,
-                 "the job's prompts.system_file": spec.prompts.system_file}
-        out.update({_resolve(base, p).resolve(): what for what, p in named.items() if p})
+                 "the job's prompts.system_file": spec.prompts.system_file,
+                 "the job's prompts.chat_template": spec.prompts.chat_template}
+        files.update({_resolve(base, p).resolve(): what for what, p in named.items() if p})
+        input_path = (str(_resolve(base, spec.input.path)), spec.input.format)
         with contextlib.suppress(Exception):
-            out.update({Path(f).resolve(): "one of the job's input files"
-                        for f in input_files(str(_resolve(base, spec.input.path)), spec.input.format)})
-    return out
+            files.update({Path(f).resolve(): "one of the job's input files" for f in input_files(*input_path)})
+
+    def guard(target: Path) -> Optional[str]:
+        target = target.resolve()
+        if target in files:
+            return files[target]
+        if input_path and would_read(str(target), *input_path):
+            return "where the job's input.path reads its files: the next run would read it as input"
+        return None
+    return guard
 
 
 def _load(shown: Path, raw: dict[str, Any], check_engine: bool = True) -> Job:

@@ -219,7 +219,8 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
         """(row id, output text, generated token ids as JSON) of the job's ok rows (of one
         fingerprint, or made before fingerprints), in row order."""
         r = self.results.c
-        q = select(r.row_id, r.output_text, r.output_token_ids_json).where(r.job_name == job_name, r.status == "ok")
+        q = select(r.row_id, r.output_text, r.output_token_ids_json).where(
+            r.job_name == job_name, r.status == "ok", r.set_aside_at_utc.is_(None))  # not rows --restart will redo
         q = q.where(r.fingerprint == fingerprint if fingerprint is not None else r.fingerprint.is_(None))
         with self.engine.connect() as conn:
             yield from conn.execute(q.order_by(r.row_id))

@@ -12,8 +12,9 @@ from runner.store_sqlite import BUSY_TIMEOUT_MS, DoneFilter
 
 # A job's stored rows into results_history, with when and by which run (NULL: --restart) they were
 # replaced; _archive narrows it to the rows a batch replaces.
-_TO_HISTORY = (f"INSERT INTO results_history (id, {', '.join(RESULT_COLUMNS)}, replaced_at_utc, replaced_by_run_id) "
-               f"SELECT id, {', '.join(RESULT_COLUMNS)}, ?, ? FROM results WHERE job_name = ?")
+_TO_HISTORY = (f"INSERT INTO results_history (id, {', '.join(RESULT_COLUMNS)}, set_aside_at_utc, replaced_at_utc, "
+               f"replaced_by_run_id) SELECT id, {', '.join(RESULT_COLUMNS)}, set_aside_at_utc, ?, ? FROM results "
+               "WHERE job_name = ?")
 
 
 # A document cut to fit leaves its prompt within a few tokens of the room (fit()'s 8 tokens of
@@ -61,7 +62,8 @@ class HistoryRecords:
         """`--restart`: mark the job's stored rows whose ids are in the input's `ids` file
         (runner/row_ids.py) to be run again; each stays in `results` (and in `export --job`) until
         its new result moves it to results_history, so a restart stopped midway loses no row, and
-        the next run goes on with the rest. Not `limited` (by --limit), the job's rows that are not
+        the next run goes on with the rest (a next --restart too: while rows are marked, those
+        stored since the first mark are kept; once none is, a --restart marks them all). Not `limited` (by --limit), the job's rows that are not
         in the input move to results_history now, replaced by no run: no run would replace them.
         Returns (rows marked, rows moved)."""
         # A connection of its own: SQLite attaches no file inside a transaction.
@@ -69,8 +71,12 @@ class HistoryRecords:
         try:
             con.execute("ATTACH DATABASE ? AS scan", (str(ids),))
             con.execute("BEGIN IMMEDIATE")
-            marked = con.execute("UPDATE results SET set_aside_at_utc = ? WHERE job_name = ? AND row_id IN "
-                                 "(SELECT id FROM scan.ids)", (utc_now(), job_name)).rowcount
+            # a restart stopped before (rows still marked) goes on: the rows it redid are kept
+            (pending,) = con.execute("SELECT min(set_aside_at_utc) FROM results WHERE job_name = ?",
+                                     (job_name,)).fetchone()
+            marked = con.execute("UPDATE results SET set_aside_at_utc = coalesce(set_aside_at_utc, ?) WHERE job_name = ? "
+                                 "AND row_id IN (SELECT id FROM scan.ids) AND created_at_utc < coalesce(?, '~')",
+                                 (utc_now(), job_name, pending)).rowcount
             moved = 0
             if not limited:
                 gone = " AND row_id NOT IN (SELECT id FROM scan.ids)"

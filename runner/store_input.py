@@ -23,7 +23,8 @@ class InputRecords:
         also = f" OR (r.fingerprint IN ({', '.join('?' * len(fps))}) AND {uncut_within('r')})" if fps else ""
         # a row --restart set aside is stored, but neither this version's nor ok: the next run redoes it
         q = (f"SELECT count(*), coalesce(sum((r.fingerprint = ? OR r.fingerprint IS NULL{also}) "
-             "AND r.set_aside_at_utc IS NULL), 0), coalesce(sum(r.status = 'ok' AND r.set_aside_at_utc IS NULL), 0) "
+             "AND r.set_aside_at_utc IS NULL), 0), coalesce(sum(r.status = 'ok' AND r.set_aside_at_utc IS NULL), 0), "
+             "coalesce(sum(r.set_aside_at_utc IS NOT NULL), 0) "
              "FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id")
         params = (fingerprint, *fps, room, CUT_SLACK_TOKENS) if fps else (fingerprint,)
         return InputCounts(*self._with_input_ids(ids_file, q, (*params, job_name))[0])

@@ -131,6 +131,7 @@ class InputCounts(NamedTuple):
     stored: int  # by any version of the job
     current: int  # by this version (or before fingerprints): a run keeps them
     ok: int  # status ok, by any version: a run with --retry-failed keeps them
+    set_aside: int = 0  # marked by a --restart to be run again (counted in neither current nor ok)
 
     def kept(self, retry_failed: bool) -> int:
         return self.ok if retry_failed else self.current

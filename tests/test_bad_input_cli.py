@@ -214,6 +214,10 @@ def test_the_reports_throughput_spans_at_least_a_second_a_point():
     xs, ys = generated_rates(samples)
     assert len(xs) == 4 and all(b - a >= 0.99 for a, b in zip([0.0] + xs, xs)) and xs[-1] == samples[-1]["elapsed_s"]
     assert all(75 <= y <= 85 for y in ys), ys  # 80 a second throughout
+    # a last sample at the time of the one before still counts; a run under a second has no point
+    rows = lambda *pairs: [dict(elapsed_s=t, rows_done=n, rows_failed=0) for t, n in pairs]  # noqa: E731
+    assert generated_rates(rows((0, 0), (5, 10), (5, 14))) == ([5], [2.8])
+    assert generated_rates(rows((0, 0), (0.001, 4))) == ([], []) and generated_rates(rows((0, 0))) == ([], [])
 
 
 def test_jsonl_csv_and_openai_batch_inputs_run_like_parquet(make_job, tmp_path):

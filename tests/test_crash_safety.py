@@ -552,12 +552,36 @@ def test_a_restart_stopped_midway_keeps_every_row_and_the_next_run_finishes_it(m
     assert out.exit_code == 0 and (tmp_path / "all.csv").read_text().count("\n") == ROWS + 1
     shown = run_here("status", job).output
     assert f"next run: {ROWS - len(redone)} of {ROWS} input rows to run ({ROWS - len(redone)} set aside by --restart)" in shown
-    assert f"{ROWS - len(redone)} of them set aside by --restart (run again next)" in shown
+    assert f"{ROWS - len(redone)} of them set aside by --restart\n" in shown
     assert json.loads(run_here("stats", "2", "--db", db, "--json").output)[0]["stats"]["rows_redone"] == len(redone)
-    assert run_here("run", "--engine", "fake", "--quiet", job).exit_code == 0  # goes on without --restart
+    out = run_here("run", "--engine", "fake", job)  # goes on without --restart
+    n = ROWS - len(redone)
+    assert out.exit_code == 0 and (f"Note: running {n} stored rows again: {n} set aside by a --restart that "
+                                   "stopped before it ran them\n") in out.stderr, out.stderr
     last = stored(db)
     assert {k for k, v in last.items() if v[0] == 3} == set(first) - redone  # each of the rest once
     assert all(last[k] == mid[k] for k in redone)
     con = sqlite3.connect(db)
     assert con.execute("SELECT count(*) FROM results_history").fetchone() == (ROWS,)  # each first version once
     assert con.execute("SELECT count(*) FROM results WHERE set_aside_at_utc IS NOT NULL").fetchone() == (0,)
+
+
+
+def test_a_second_restart_after_a_stopped_one_goes_on_with_the_rest(make_job, tmp_path, fake_env):
+    """A nightly `run --restart` stopped at its deadline each night must not redo the same first
+    rows every night: while rows are marked, the rows redone since are kept."""
+    job = make_job(rows=ROWS, job={"output": {"commit_every_rows": 1}})
+    db = tmp_path / "out" / "results.sqlite"
+    assert run_here("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    proc = subprocess.Popen(runner_cmd("run", "--engine", "fake", "--quiet", "--restart", job),
+                            env=dict(fake_env, RUNNER_FAKE_DELAY_S="0.05"), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: sum(r[0] == 2 for r in stored(db).values()) >= 3 or proc.poll() is not None, "redone rows")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 130
+    redone = {k for k, v in stored(db).items() if v[0] == 2}
+    out = run_here("run", "--engine", "fake", "--restart", job)
+    assert out.exit_code == 0 and f"--restart set {ROWS - len(redone)} stored rows aside" in out.stderr, out.stderr
+    last = stored(db)
+    assert {k for k, v in last.items() if v[0] == 3} == set(last) - redone and len(last) == ROWS
+    out = run_here("run", "--engine", "fake", "--restart", "--quiet", job)  # none marked now: a whole restart
+    assert out.exit_code == 0 and {v[0] for v in stored(db).values()} == {4}

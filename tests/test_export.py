@@ -323,6 +323,18 @@ def test_an_export_or_report_over_one_of_the_jobs_own_files_is_refused(make_job,
                 continue  # refused already as a data file's name
             assert out.exit_code == 6 and out.output == f"Error: {target}: is {what}: give another file\n", (args, out.output)
     assert all(p.read_bytes() == data for p, data in before.items())
+    # a file the job's input folder or glob would read next time: the next run would take it as input
+    (tmp_path / "template.jinja").write_text("{{ messages }}")
+    for setting, target in (("input.path=data", tmp_path / "data" / "results.parquet"),
+                            ("input.path=data/*.parquet", tmp_path / "data" / "new.parquet"),
+                            ("prompts.chat_template=template.jinja", tmp_path / "template.jinja")):
+        out = CliRunner().invoke(cli, ["export", "--job", str(job), "--set", setting, "--format", "parquet",
+                                       "-o", str(target)])
+        assert out.exit_code == 6 and "give another file" in out.output, (setting, out.output)
+    assert not (tmp_path / "data" / "results.parquet").exists()
+    out = CliRunner().invoke(cli, ["export", "--job", str(job), "--set", "input.path=data", "-o", str(tmp_path / "data" / "x.csv.txt"),
+                                   "--format", "csv"])  # a name the input does not read is fine
+    assert out.exit_code == 0, out.output
 
 
 def test_a_compressed_name_is_refused_rather_than_written_uncompressed(db, tmp_path):

@@ -447,3 +447,26 @@ def test_a_second_job_file_with_the_same_name_and_database_is_named(make_job, tm
     moved = tmp_path / "moved.yaml"
     copy.rename(moved)
     assert "another job file" not in run(job).stderr  # the file it ran from is gone: moved, not shared
+
+
+def test_rows_a_restart_set_aside_are_not_done_nor_training_data(make_job):
+    """Rows --restart marked to be run again are stored (and exported) but not taken as done by the
+    done filter, nor as ok outputs by distill (ok_results), until their new result replaces them."""
+    import sqlite3
+
+    from runner.store import Store
+
+    job = load_job(make_job(rows=4))
+    first = run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
+    con = sqlite3.connect(job.database_path)
+    con.execute("UPDATE results SET set_aside_at_utc = '2026-01-01' WHERE row_id IN ('r001', 'r002')")
+    con.commit()
+    store = Store(job.database_path)
+    fp = con.execute("SELECT fingerprint FROM results LIMIT 1").fetchone()[0]
+    assert [r[0] for r in store.ok_results(job.name, fp)] == ["r000", "r003"]
+    assert store.done_row_ids(job.name, fp) == {"r000", "r003"}
+    again = run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
+    assert again.stats["rows_total"] == 2 and again.rows_redone == 2 and first.run_id != again.run_id
+    assert con.execute("SELECT count(*) FROM results WHERE set_aside_at_utc IS NOT NULL").fetchone() == (0,)
+    assert con.execute("SELECT row_id, set_aside_at_utc, replaced_by_run_id FROM results_history ORDER BY row_id").fetchall() \
+        == [("r001", "2026-01-01", again.run_id), ("r002", "2026-01-01", again.run_id)]
