@@ -156,8 +156,9 @@ def _write_text(path: Path, text: str, reading: Path, keep) -> None:
     write_whole(path, lambda part: part.write_text(text, encoding="utf-8"), reading=reading, keep=keep)
 
 
-def _job_sources(job, overrides) -> dict:
-    """The files the job given with --job reads: an export or report is not written over them."""
+def _job_sources(job, overrides):
+    """The test of what of the job given with --job a path is (spec.job_sources; None without
+    --job): an export or report is not written over the job's own files."""
     from runner.spec import job_sources
 
     return job_sources(job, overrides) if job else None

@@ -26,6 +26,11 @@ def _endings(fmt: str) -> tuple[str, ...]:
     return plain + tuple(e + c for e in plain for c in COMPRESSED) if fmt in _COMPRESSIBLE else plain
 
 
+def _accepted_endings(declared: Optional[str]) -> tuple[str, ...]:
+    """The name endings an input path reads: input.format's, or every known format's."""
+    return _endings(declared) if declared else tuple(e for fmt in EXTENSIONS for e in _endings(fmt))
+
+
 def file_format(file: str, declared: Optional[str]) -> str:
     """The format a file is read as: input.format, else its name's ending (docs.csv.gz is CSV)."""
     if declared:
@@ -43,7 +48,7 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     `.` are left out, as pyarrow, Spark and Hive leave them (_SUCCESS, _temporary/, .part-0.crc),
     unless the glob names such a part itself (data/_2024_*.parquet); linked folders are followed,
     each file read once."""
-    endings = _endings(declared) if declared else tuple(e for fmt in EXTENSIONS for e in _endings(fmt))
+    endings = _accepted_endings(declared)
     if any(ch in path for ch in "*?[") and not os.path.exists(path):  # a file named lit[1].jsonl is that file
         literal = _existing_folder(path)  # `[x]` in the job's own folder is not a pattern...
         files = _globbed(path, literal)
@@ -68,7 +73,7 @@ def would_read(target: str, path: str, declared: Optional[str] = None) -> bool:
     """Whether a file at `target` (absolute) would be among the files the input path names: one of
     its format's endings below its folder, or matched by its glob (compared by fnmatch, in which `*`
     also crosses folders: a guard errs on the side of refusing)."""
-    endings = _endings(declared) if declared else tuple(e for fmt in EXTENSIONS for e in _endings(fmt))
+    endings = _accepted_endings(declared)
     if not os.path.basename(target).lower().endswith(endings):
         return False
     if os.path.isdir(path):

@@ -59,7 +59,8 @@ class ResultRow:
 
 
 _RESULT_FIELDS = tuple(f.name for f in fields(ResultRow))
-RESULT_COLUMNS = (*_RESULT_FIELDS, "created_at_utc")  # every column of `results` a result writes (not its id, nor --restart's set_aside_at_utc)
+# every column of `results` a result writes: not its id, nor --restart's set_aside_at_utc
+RESULT_COLUMNS = (*_RESULT_FIELDS, "created_at_utc")
 # What an export holds of each result: these, then the extraction's fields as columns, then
 # EXPORT_COLUMNS_ADDED (columns added later go last, so that readers by position keep working).
 EXPORT_COLUMNS = ("row_id", "group_key", "status", "error", "prompt_tokens", "completion_tokens",
