@@ -10,7 +10,6 @@ from runner.fingerprint import changed_parts, result_fingerprint
 from runner.inputs import InputScan
 from runner.spec import Job
 from runner.store import DoneFilter, Store
-from runner.store_sqlite import InputCounts
 from runner.summary import plural
 
 
@@ -30,25 +29,24 @@ class Work:
     set_aside: int = 0  # of the rows redone: marked by a --restart that stopped before it ran them
 
 
-def restart(store: Store, job: Job, scan: InputScan) -> tuple[int, str]:
-    """--restart marks the job's stored rows to be run again: (how many of them are in this run's
-    input, a note). Where input.limit (--limit) cut the input, only the rows this run takes: a
-    smoke run does not undo the rest."""
+def restart(store: Store, job: Job, scan: InputScan) -> str:
+    """--restart marks the job's stored rows to be run again; returns a note saying so. Where
+    input.limit (--limit) cut the input, only the rows this run takes: a smoke run does not undo
+    the rest."""
     limited = scan.cut_by_limit
     marked, moved = store.set_aside_results(job.name, scan.ids.path, limited)
     note = f"--restart set {plural(marked, 'stored row')} aside: each stays stored until its new result replaces it"
     if limited:
-        return marked, note + "; input.limit: only the rows this run takes"
-    return marked, note + (f"; {moved:,} not in this run's input moved to results_history" if moved else "")
+        return note + "; input.limit: only the rows this run takes"
+    return note + (f"; {moved:,} not in this run's input moved to results_history" if moved else "")
 
 
-def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool, counted: Optional[InputCounts] = None) -> Work:
-    """Count what the run will do against what is stored, on disk (bounded memory at any size);
-    `counted`: the counts where they are known without asking (the input once counted is enough)."""
+def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool) -> Work:
+    """Count what the run will do against what is stored, on disk (bounded memory at any size)."""
     fingerprint, components = result_fingerprint(job)
     store.register_fingerprint(job.name, fingerprint, components)
-    kept = keep_rows_the_length_rule_does_not_touch(store, job, fingerprint, components) if counted is None else 0
-    counts = counted or store.input_counts(job.name, scan.ids.path, fingerprint)
+    kept = keep_rows_the_length_rule_does_not_touch(store, job, fingerprint, components)
+    counts = store.input_counts(job.name, scan.ids.path, fingerprint)
     skipped = counts.kept(retry_failed)
     redone = counts.stored - skipped
     reasons: set[str] = set()
@@ -60,7 +58,7 @@ def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool, coun
     work = Work(fingerprint, scan.rows - skipped, skipped, redone, sorted(reasons),
                 store.done_filter(job.name, fingerprint, ok_only=retry_failed), skip=scan.skip,
                 set_aside=counts.set_aside)
-    if counted is None and not counts.stored and (renamed := renamed_from(store, job, scan, fingerprint)):
+    if not counts.stored and (renamed := renamed_from(store, job, scan, fingerprint)):
         work.notes.append(renamed)
     if kept:
         work.notes.append(f"input.on_too_long changed: {plural(kept, 'stored row')} that it does not change kept "

@@ -31,7 +31,6 @@ from runner.signals import Interrupted, sigterm_interrupts
 from runner.spec import Job
 from runner.resume import Work, restart, shared_name, work_to_do
 from runner.store import Store
-from runner.store_sqlite import InputCounts
 from runner.summary import plural
 
 
@@ -138,8 +137,8 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
         opts.on_input_ok()
     store.mark_abandoned_runs(job.name)  # first: a killed run ended at its last stored row, set aside below
     restarted = restart(store, job, scan) if opts.restart else None
-    # the fingerprint has the backend as configured; after --restart no row of the input is done
-    work = work_to_do(store, job, scan, opts.retry_failed, counted=InputCounts(0, 0, 0) if restarted else None)
+    # the fingerprint has the backend as configured; the rows --restart marked count as not done
+    work = work_to_do(store, job, scan, opts.retry_failed)
     for note in work.notes if opts.notify is not None else ():
         opts.notify(note)
     shared = shared_name(store, job, work.fingerprint)
@@ -147,13 +146,11 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
         work.notes.append(shared)
         if opts.notify is not None:
             opts.notify(shared)
-    if restarted:  # the input's rows stored before: run again, as by a changed job
-        work.redone += restarted[0]
     try:
         job, work.grammar = job_with_grammar(job)  # one backend for every engine; measured while vLLM imports
         if work.redone and opts.notify is not None:
             opts.notify(f"running {plural(work.redone, 'stored row')} again: " + (
-                restarted[1] if restarted else "--retry-failed" if opts.retry_failed else _why_redone(work)))
+                restarted if restarted else "--retry-failed" if opts.retry_failed else _why_redone(work)))
         key = calibration_key(job, prompt_keys(job, scan), opts.backend)
         job, gated = _verify_gate(job, store, key, opts)
         if gated:

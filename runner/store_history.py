@@ -10,8 +10,8 @@ from runner.migrations import utc_now
 from runner.rows import RESULT_COLUMNS, ResultRow
 from runner.store_sqlite import BUSY_TIMEOUT_MS, DoneFilter
 
-# A job's stored rows into results_history, with when and by which run (NULL: --restart) they were
-# replaced; _archive narrows it to the rows a batch replaces.
+# A job's stored rows into results_history, with when and by which run they were replaced (NULL:
+# --restart moved them, no longer in the input); _archive narrows it to the rows a batch replaces.
 _TO_HISTORY = (f"INSERT INTO results_history (id, {', '.join(RESULT_COLUMNS)}, set_aside_at_utc, replaced_at_utc, "
                f"replaced_by_run_id) SELECT id, {', '.join(RESULT_COLUMNS)}, set_aside_at_utc, ?, ? FROM results "
                "WHERE job_name = ?")
@@ -39,13 +39,13 @@ class HistoryRecords:
         uncut_within) the fingerprint `new`. Returns how many. Read first: once adopted, the old
         fingerprint stays known, and a write transaction on every later run would hold the file."""
         with self.engine.connect() as conn:
-            if not conn.exec_driver_sql("SELECT 1 FROM results WHERE job_name = ? AND fingerprint = ? LIMIT 1",
-                                        (job_name, old)).first():
+            if not conn.exec_driver_sql("SELECT 1 FROM results WHERE job_name = ? AND fingerprint = ? "
+                                        "AND set_aside_at_utc IS NULL LIMIT 1", (job_name, old)).first():
                 return 0
-        with self._tx() as conn:
+        with self._tx() as conn:  # not rows --restart set aside: they are run again whatever the rule
             return conn.exec_driver_sql(
-                f"UPDATE results SET fingerprint = ? WHERE job_name = ? AND fingerprint = ? AND {uncut_within('results')}",
-                (new, job_name, old, room, CUT_SLACK_TOKENS)).rowcount
+                f"UPDATE results SET fingerprint = ? WHERE job_name = ? AND fingerprint = ? AND set_aside_at_utc IS NULL "
+                f"AND {uncut_within('results')}", (new, job_name, old, room, CUT_SLACK_TOKENS)).rowcount
 
     def _archive(self, conn, rows: list[ResultRow], now: str) -> None:
         """Copy the stored rows these will replace into results_history (none, on a first run)."""
@@ -63,8 +63,9 @@ class HistoryRecords:
         (runner/row_ids.py) to be run again; each stays in `results` (and in `export --job`) until
         its new result moves it to results_history, so a restart stopped midway loses no row, and
         the next run goes on with the rest (a next --restart too: while rows are marked, those
-        stored since the first mark are kept; once none is, a --restart marks them all). Not `limited` (by --limit), the job's rows that are not
-        in the input move to results_history now, replaced by no run: no run would replace them.
+        stored since the first mark are kept; once none is, a --restart marks them all). Not
+        `limited` (by --limit), the job's rows that are not in the input move to results_history
+        now, replaced by no run: no run would replace them.
         Returns (rows marked, rows moved)."""
         # A connection of its own: SQLite attaches no file inside a transaction.
         con = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)

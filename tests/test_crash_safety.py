@@ -581,6 +581,7 @@ def test_a_second_restart_after_a_stopped_one_goes_on_with_the_rest(make_job, tm
     redone = {k for k, v in stored(db).items() if v[0] == 2}
     out = run_here("run", "--engine", "fake", "--restart", job)
     assert out.exit_code == 0 and f"--restart set {ROWS - len(redone)} stored rows aside" in out.stderr, out.stderr
+    assert f"{ROWS - len(redone)} run ({ROWS - len(redone)} of them again), {len(redone)} already done" in out.output
     last = stored(db)
     assert {k for k, v in last.items() if v[0] == 3} == set(last) - redone and len(last) == ROWS
     out = run_here("run", "--engine", "fake", "--restart", "--quiet", job)  # none marked now: a whole restart

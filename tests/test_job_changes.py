@@ -135,6 +135,12 @@ def test_switching_on_too_long_runs_again_only_the_rows_it_applies_to(make_job, 
     edit(job, lambda s: s["input"].update(on_too_long="truncate") or s["sampling"].update(max_tokens=32))
     out = invoke("run", "--engine", "fake", job)
     assert "running 6 stored rows again" in out.output, out.output
+    # --restart with only the rule changed: every row again, none "kept" by the rule
+    edit(job, lambda s: s["input"].update(on_too_long="fail"))
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    edit(job, lambda s: s["input"].update(on_too_long="truncate"))
+    out = invoke("run", "--engine", "fake", "--restart", job)
+    assert "running 6 stored rows again: --restart" in out.output and "kept" not in out.output, out.output
 
 
 @pytest.mark.parametrize("stored_before_the_column", [False, True])
