@@ -9,7 +9,7 @@ import click
 
 from runner.cli import cli, reports_errors
 from runner.cli_output import check_stdout, confirm, say, stats_table, warn
-from runner.summary import fmt, plural, process_gone, run_status
+from runner.summary import fmt, killed_run_stats, plural, process_gone, run_status
 
 
 def _open_store(job, db, overrides=()):
@@ -122,7 +122,7 @@ def stats(run_id, job, db, overrides, last, as_json, with_idle):
         return
     shown = []  # printed once the read is known whole (check_unchanged)
     for r in runs:
-        s = store.stats(r["id"]) or _killed_run_stats(r)
+        s = store.stats(r["id"]) or killed_run_stats(r)
         status = run_status(r)
         shown.append(f"run {r['id']}  {r['job_name']}  {status}  started {r['started_at_utc']}")
         counts, gone = store.result_counts(r["id"])
@@ -164,28 +164,12 @@ def _job_sources(job, overrides):
     return job_sources(job, overrides) if job else None
 
 
-def _killed_run_stats(r: dict) -> dict:
-    """A run killed outright stored no stats: its wall time is known to its last stored row (the
-    end the next run gave it), which is what `stats` shows for it."""
-    from datetime import datetime
-
-    if r["status"] != "interrupted" or not (r.get("started_at_utc") and r.get("ended_at_utc")):
-        return {}
-    if r["ended_at_utc"] == r["started_at_utc"]:  # no row stored: ended at its start, its wall unknown
-        return {}
-    try:
-        took = datetime.fromisoformat(r["ended_at_utc"]) - datetime.fromisoformat(r["started_at_utc"])
-    except (TypeError, ValueError):  # a time written by hand or by another tool: no wall rather than a traceback
-        return {}
-    return {"wall_s": round(took.total_seconds(), 3), "wall_to_last_row": True}
-
-
 def _run_json(store, r: dict) -> dict:
     """A run as JSON: its record (JSON columns parsed), stats, result counts by status and how many
     of its rows are no longer stored."""
     run = {k: (json.loads(v) if k.endswith("_json") and v else v) for k, v in r.items()}
     stats = {k: (json.loads(v) if k.endswith("_json") and v else v)
-             for k, v in (store.stats(r["id"]) or _killed_run_stats(r)).items()}
+             for k, v in (store.stats(r["id"]) or killed_run_stats(r)).items()}
     counts, gone = store.result_counts(r["id"])
     return {"run": run, "stats": stats, "rows_by_status": counts, "rows_not_stored": gone,
             "process_gone": process_gone(r)}

@@ -10,7 +10,7 @@ from typing import Sequence
 from runner.engines import describe_settings
 from runner.errors import NotFound
 from runner.rows import Status
-from runner.summary import run_status, stats_lines
+from runner.summary import killed_run_stats, one_line, run_status, stats_lines
 from runner.store import Store
 
 SECTIONS = ("summary", "throughput", "prefix-cache", "status", "tokens", "slowest-groups")
@@ -78,7 +78,7 @@ def render_report(store: Store, run_id: int) -> str:
     run = store.run(run_id)
     if run is None:
         raise NotFound(f"{store.path}: no run {run_id}")
-    stats = store.stats(run_id) or {}
+    stats = store.stats(run_id) or killed_run_stats(run)
     by_status: dict[str, int] = defaultdict(int)
     groups: dict[str, dict] = defaultdict(lambda: {"rows": 0, "prompt": 0, "cached": 0, "latency_ms": 0.0,
                                                    "max_latency_ms": 0.0})
@@ -112,6 +112,7 @@ def _summary(run: dict, stats: dict, statuses: dict[str, int], gone: int) -> str
     summary = [
         ("job", run["job_name"]), ("status", run_status(run)), ("started (UTC)", run["started_at_utc"]),
         ("ended (UTC)", run["ended_at_utc"] or "-"),
+        *([("error", one_line(run["error"]))] if run.get("error") else []),
         *stats_lines(stats, statuses),
         *([("rows no longer stored", f"{gone:,} (replaced, then deleted): counted in rows by status, "
                                        "not in the other charts")] if gone else []),

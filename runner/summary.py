@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
+from datetime import datetime
 from typing import Optional
 
 
@@ -54,6 +55,20 @@ def stats_lines(s: dict, statuses: dict[str, int]) -> list[tuple[str, str]]:
         ("wall / generation s", f"{fmt(s.get('wall_s'), 1)} / {fmt(s.get('generation_s'), 1)}"
          + (" (wall to its last stored row: killed, no stats stored)" if s.get("wall_to_last_row") else "")),
     ]
+
+
+def killed_run_stats(r: dict) -> dict:
+    """A run killed outright stored no stats: its wall time is known to its last stored row (the
+    end the next run gave it), which `stats` and the report show for it."""
+    if r["status"] != "interrupted" or not (r.get("started_at_utc") and r.get("ended_at_utc")):
+        return {}
+    if r["ended_at_utc"] == r["started_at_utc"]:  # no row stored: ended at its start, its wall unknown
+        return {}
+    try:
+        took = datetime.fromisoformat(r["ended_at_utc"]) - datetime.fromisoformat(r["started_at_utc"])
+    except (TypeError, ValueError):  # a time written by hand or by another tool: no wall rather than a traceback
+        return {}
+    return {"wall_s": round(took.total_seconds(), 3), "wall_to_last_row": True}
 
 
 def process_gone(run: dict) -> Optional[bool]:

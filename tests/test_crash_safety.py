@@ -468,6 +468,9 @@ def test_stats_of_a_killed_run_give_its_wall_time_to_its_last_stored_row(make_jo
     assert json.loads(out.stdout)[0]["stats"]["wall_s"] == 62.5
     finished = CliRunner().invoke(cli, ["stats", str(killed - 1), "--job", path])
     assert "last stored row" not in finished.output
+    from runner.report import render_report  # the report gives the same wall time as stats
+    page = render_report(Store(job.database_path), killed)
+    assert "<th>wall / generation s</th><td>62.5 / - (wall to its last stored row" in page, page
     # killed before its first row: ended at its start by the next run, its wall time unknown, not 0
     early = Store(job.database_path).begin_run(job.name, str(job.path), {})
     run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema))
@@ -528,6 +531,10 @@ def test_a_run_stopped_before_its_first_row_still_records_how_long_it_ran(make_j
                       "ON s.run_id = r.id ORDER BY r.id").fetchall()
     assert got == [("interrupted", "stopped by Ctrl-C (SIGINT); finished rows are stored, rerun to resume", 0, 1),
                    ("failed", "no GPU", 0, 1)]
+    from runner.report import render_report  # the report says why a run stopped, as stats does
+    from runner.store import Store
+    pages = [render_report(Store(job.database_path), run_id) for run_id in (1, 2)]
+    assert "<th>error</th><td>stopped by Ctrl-C (SIGINT)" in pages[0] and "<th>error</th><td>no GPU</td>" in pages[1]
     assert count(job.database_path) == 0
 
 
