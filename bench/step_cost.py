@@ -6,7 +6,8 @@ nothing of p. This measures f and p on the GPU: batches of N rows of the invoice
 by system prompt, as the runner sends them; their prompts cached by a 1-token pass first) decode
 `--tokens` tokens each, all together, with the benchmark's schema (`json`: the token masks and the
 grammar included; with random weights every output runs to the end) and as free text of the same
-length (`text`: ignore_eos). ms a step = time / vLLM's own step count; fitted by least squares on N.
+length (`text`: ignore_eos), and as free text without the system prompt (`short`: ~170 prompt
+tokens a row instead of ~1,300: what reading each request's context costs). ms a step = time / vLLM's own step count; fitted by least squares on N.
 The engine settings are the runner's GPU config's (CUDA graph sizes, compact JSON, xgrammar).
 
     python bench/step_cost.py --model /tmp/smollm2 --shape 8b --out step_cost.json
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--batches", default="16,32,64,96,128,160,192")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--modes", default="json,text")
+    ap.add_argument("--modes", default="json,text,short")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cpu", action="store_true", help="a smoke test on the CPU build (its KV cap, eager)")
     a = ap.parse_args()
@@ -70,6 +71,7 @@ def main() -> None:
     rows = sorted(pq.read_table(path).to_pylist(), key=lambda r: r["system_prompt"])
     schema = json.loads((path.parent / "schema.json").read_text())
     chats = [[{"role": "system", "content": r["system_prompt"]}, {"role": "user", "content": r["text"]}] for r in rows]
+    shorts = [[{"role": "user", "content": r["text"]}] for r in rows]
     batches = [int(x) for x in a.batches.split(",")]
     kw = dict(model=model, max_model_len=4096, disable_log_stats=False, enable_prefix_caching=True,
               max_num_seqs=max(batches), structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
@@ -81,7 +83,9 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     params = {"json": SamplingParams(temperature=0, max_tokens=a.tokens, structured_outputs=StructuredOutputsParams(json=schema)),
               "text": SamplingParams(temperature=0, max_tokens=a.tokens, min_tokens=a.tokens, ignore_eos=True)}
+    params["short"] = params["text"]
     llm.chat(chats[:max(batches)], SamplingParams(max_tokens=1), use_tqdm=False)  # prompts cached
+    llm.chat(shorts[:max(batches)], SamplingParams(max_tokens=1), use_tqdm=False)
     llm.chat(chats[:2], params["json"], use_tqdm=False)  # the grammar compiled
     modes = a.modes.split(",")
     runs = []
@@ -90,7 +94,7 @@ def main() -> None:
         for n in order:
             for mode in modes:
                 s0, t = steps_count(llm), time.perf_counter()
-                outs = llm.chat(chats[:n], params[mode], use_tqdm=False)
+                outs = llm.chat((shorts if mode == "short" else chats)[:n], params[mode], use_tqdm=False)
                 dt, steps = time.perf_counter() - t, steps_count(llm) - s0
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                 runs.append({"repeat": rep, "batch": n, "mode": mode, "seconds": round(dt, 4), "steps": steps,
