@@ -44,16 +44,38 @@ def format_for(output: str, given: Optional[str]) -> str:
 
 
 def flat_fields(schema: dict) -> dict[str, bool]:
-    """Top-level extraction fields -> whether each is a scalar (a plain column) or not (a JSON text column)."""
+    """Top-level extraction fields -> whether each is a scalar (a plain column) or not (a JSON text
+    column). A field given by a local `$ref` is read where it points; `const` of a scalar is one; a
+    field whose schema is `true` or `false` (any value; none) is not."""
     # an object schema; one that gives properties but no type (JSON Schema allows it) is read as one
-    if schema.get("type", "object" if "properties" in schema else None) != "object":
+    if not isinstance(schema, dict) or schema.get("type", "object" if "properties" in schema else None) != "object":
         return {}
-    out = {}
-    for name, sub in schema.get("properties", {}).items():
-        kind = sub.get("type")
-        kinds = set(kind) - {"null"} if isinstance(kind, list) else {kind}
-        out[name] = (len(kinds) == 1 and kinds <= _SCALARS) or ("enum" in sub and kind is None)
-    return out
+    properties = schema.get("properties")
+    return {name: _scalar(_followed(sub, schema)) for name, sub in (properties or {}).items()} \
+        if isinstance(properties, dict) else {}
+
+
+def _scalar(sub) -> bool:
+    if not isinstance(sub, dict):
+        return False
+    kind = sub.get("type")
+    kinds = set(kind) - {"null"} if isinstance(kind, list) else {kind}
+    if "const" in sub and kind is None:
+        return isinstance(sub["const"], (str, int, float, bool))
+    return (len(kinds) == 1 and kinds <= _SCALARS) or ("enum" in sub and kind is None)
+
+
+def _followed(sub, root: dict, hops: int = 16):
+    """`sub` with its local `$ref` (`#/$defs/x`) followed, a few hops at most (a cycle stops)."""
+    while hops and isinstance(sub, dict) and isinstance(sub.get("$ref"), str) and sub["$ref"].startswith("#/"):
+        target = root
+        for part in sub["$ref"][2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")  # JSON Pointer escapes
+            target = target.get(part) if isinstance(target, dict) else None
+        if target is None:
+            return sub
+        sub, hops = target, hops - 1
+    return sub
 
 
 def export_run(store: Store, run_id: Optional[int], fmt: str, out: Optional[Path], job_name: Optional[str] = None,

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import SpecError
-from runner.fast_schema import is_number
+from runner.fast_schema import _ANNOTATIONS, is_number
 
 
 def load_schema(path: Path, where: str) -> dict[str, Any]:
@@ -46,6 +46,11 @@ def _load_schema(path: Path, where: str) -> dict[str, Any]:
         where, ref = dangling
         raise SpecError(f"{path}: {where}: $ref {ref!r} points to nothing in the file (vLLM would refuse every "
                         f"row's grammar)")
+    looping = next(looping_refs(schema), None)
+    if looping is not None:
+        where, ref = looping
+        raise SpecError(f"{path}: {where}: $ref {ref!r} leads back to itself through references alone: "
+                        f"no value can be checked against it")
     impossible = next(unsatisfiable(schema), None)
     if impossible is not None:
         where, why = impossible
@@ -156,8 +161,6 @@ def dangling_refs(schema: Any):
     """(location, reference) of every reference within the document (`#/...` pointers, `#name`
     anchors) that finds nothing in it. Only where the document names no nested `$id` (references
     are then all from its root)."""
-    from urllib.parse import unquote
-
     if isinstance(schema, dict) and any(True for _ in _ids({k: v for k, v in schema.items() if k != "$id"})):
         return
     anchors = set(_anchors(schema))
@@ -168,17 +171,42 @@ def dangling_refs(schema: Any):
             continue
         if not (ref == "#" or ref.startswith("#/")):
             continue
-        node = schema
-        # as jsonschema reads it: the fragment percent-decoded whole, then split, then ~1 and ~0
-        for part in unquote(ref[1:]).split("/")[1:]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                yield loc, ref
-                break
+        if _pointed(schema, ref) is _NOTHING:
+            yield loc, ref
+
+
+_NOTHING = object()
+
+
+def _pointed(schema: Any, ref: str) -> Any:
+    """What a `#/...` pointer finds in the document, or _NOTHING."""
+    from urllib.parse import unquote
+
+    node = schema
+    # as jsonschema reads it: the fragment percent-decoded whole, then split, then ~1 and ~0
+    for part in unquote(ref[1:]).split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _NOTHING
+    return node
+
+
+def looping_refs(schema: Any):
+    """(location, reference) of a `#/...` reference that leads back to itself through schemas that
+    are nothing but a reference: no value can be checked against it (every check recurses)."""
+    for loc, ref in _refs(schema, "#"):
+        seen, at = set(), ref
+        while isinstance(at, str) and (at == "#" or at.startswith("#/")) and at not in seen:
+            seen.add(at)
+            node = _pointed(schema, at)
+            at = node.get("$ref") if isinstance(node, dict) and not set(node) - _ANNOTATIONS - {"$ref"} else None
+        if isinstance(at, str) and at in seen:
+            yield loc, ref
+            return
 
 
 _DATA_KEYS = ("examples", "default", "const", "enum")  # their values are instances, not schemas

@@ -88,6 +88,10 @@ CASES = [
         {"type": "object", "properties": {"a": {"$ref": "#nope"}, "b": {"$anchor": "here", "type": "string"},
                                           "c": {"$ref": "#here"}}, "required": ["a"]})), 2,
      "out.json: #/properties/a/$ref: $ref '#nope' points to nothing in the file"),
+    ("schema ref loop", write_text("schemas/out.json", json.dumps(
+        {"type": "object", "$defs": {"x": {"$ref": "#/$defs/y", "description": "d"}, "y": {"$ref": "#/$defs/x"}},
+         "properties": {"a": {"type": "string"}, "b": {"$ref": "#/$defs/x"}}, "required": ["a"]})), 2,
+     "out.json: #/$defs/x/$ref: $ref '#/$defs/y' leads back to itself through references alone"),
     ("schema nested too deeply", write_text("schemas/out.json", '{"type": "object", "properties": {"a": ' * 300
                                             + '{"type": "string"}' + "}}" * 300), 2,
      "out.json: nested too deeply to be checked"),

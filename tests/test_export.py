@@ -341,3 +341,20 @@ def test_a_compressed_name_is_refused_rather_than_written_uncompressed(db, tmp_p
     out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "csv", "-o", str(tmp_path / "x.csv.gz")])
     assert out.exit_code == 2 and "x.csv.gz: exports are not compressed: name the file x.csv" in out.output
     assert not (tmp_path / "x.csv.gz").exists()
+
+
+def test_fields_by_local_ref_and_const_are_plain_columns_and_a_boolean_subschema_is_json(make_job, tmp_path):
+    """A scalar field given through `#/$defs/...` or `const` gets a plain column, as one typed in
+    place does; a field whose schema is `true` (any value) is a JSON column. `true` made the export
+    stop with a traceback."""
+    schema = {"type": "object", "$defs": {"lvl": {"type": "string", "enum": ["low", "high"]}, "n": {"$ref": "#/$defs/m"},
+                                          "m": {"type": "integer"}},
+              "properties": {"level": {"$ref": "#/$defs/lvl"}, "count": {"$ref": "#/$defs/n"}, "kind": {"const": "x"},
+                             "anything": True},
+              "required": ["level", "count", "kind", "anything"]}
+    job = load_job(make_job(rows=2, schema=schema))
+    run_job(job, engine_factory=lambda j: FakeEngine(schema, respond=lambda r: json.dumps(
+        {"level": "high", "count": 3, "kind": "x", "anything": {"a": [1]}})))
+    row = exported(job.database_path, "jsonl", tmp_path)[0]
+    assert (row["extraction_level"], row["extraction_count"], row["extraction_kind"]) == ("high", 3, "x")
+    assert json.loads(row["extraction_anything_json"]) == {"a": [1]}
