@@ -212,6 +212,8 @@ def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Pat
     target = Path(os.path.realpath(path))
     if reading is not None and _same_database(target, reading):
         raise OutputFileError(f"{path}: is the results database being read: give another file")
+    if reading is not None and _beside_database(target, reading):  # a run's lock (one run at a time) or log
+        raise OutputFileError(f"{path}: is a job's lock or engine log beside the results database: give another file")
     what = keep(target) if keep else None
     if what:  # `-o job.yaml`, `-o data/docs.parquet`: the job would be lost, or read its results as input
         raise OutputFileError(f"{path}: is {what}: give another file")
@@ -262,6 +264,13 @@ def _same_database(target: Path, db: Path) -> bool:
     """Whether target is the database file or one of SQLite's files beside it."""
     real = Path(os.path.realpath(db))
     return target in {real, *(real.with_name(real.name + x) for x in ("-wal", "-shm", "-journal"))}
+
+
+def _beside_database(target: Path, db: Path) -> bool:
+    """Whether target is named as a job's lock or engine log of that database: DB.JOB.lock, DB.JOB.log."""
+    real = Path(os.path.realpath(db))
+    return (target.parent == real.parent and target.name.startswith(real.name + ".")
+            and target.suffix in (".lock", ".log"))
 
 
 def _write(tables: Iterable, schema, fmt: str, out: Optional[Path]) -> int:

@@ -129,6 +129,17 @@ def test_export_and_report_refuse_to_write_over_the_database_they_read(db, tmp_p
     out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "csv", "-o", str(link)])
     assert out.exit_code == 6 and "is the results database being read" in out.output
     assert db.read_bytes() == before
+    # a run's lock (written over, it no longer keeps a second run out) and its engine log
+    lock, log = db.with_name(db.name + ".t.lock"), db.with_name(db.name + ".t.log")
+    lock.write_text("")
+    for args in (["export", "1", "--format", "csv"], ["report", "1"]):
+        for target in (lock, log):
+            out = CliRunner().invoke(cli, [*args, "--db", str(db), "-o", str(target)])
+            assert out.exit_code == 6 and out.output == (f"Error: {target}: is a job's lock or engine log beside the "
+                                                         "results database: give another file\n"), out.output
+    assert lock.read_text() == "" and not log.exists()
+    out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "csv", "-o", str(db) + ".t.csv"])
+    assert out.exit_code == 0, out.output  # only those two names are the database's
 
 
 def test_a_report_named_as_results_data_is_refused(db, tmp_path):
