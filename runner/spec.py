@@ -211,12 +211,31 @@ def job_results(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Path, 
     """(results database, job name) of a job file, for commands that only read or prune its
     results: its schema, engine config, model and input need not be there any more."""
     shown = Path(path)
+    raw = apply_overrides(read_yaml(shown), overrides)
     try:
-        spec = JobFile.model_validate(apply_overrides(read_yaml(shown), overrides))
+        spec = JobFile.model_validate(raw)
     except ValidationError as exc:
-        with_set = f" (with --set {' --set '.join(overrides)})" if overrides else ""
-        raise SpecError(format_validation_error(shown, exc) + with_set) from None
+        # A key elsewhere that no longer validates (a typo, or one a newer runner renamed) must not
+        # keep its stored results from being read: the name and database are all these commands use.
+        try:
+            spec = _JobResults.model_validate(raw)
+        except ValidationError:
+            with_set = f" (with --set {' --set '.join(overrides)})" if overrides else ""
+            raise SpecError(format_validation_error(shown, exc) + with_set) from None
     return _resolve(shown.resolve().parent, spec.output.database), spec.name
+
+
+class _Database(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    database: str
+
+
+class _JobResults(BaseModel):
+    """What job_results reads of a job file whose other keys do not validate."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    output: _Database
 
 
 def job_sources(path: str | Path, overrides: Sequence[str] = ()) -> Callable[[Path], Optional[str]]:

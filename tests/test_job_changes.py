@@ -5,6 +5,7 @@ import json
 import os
 import sqlite3
 import subprocess
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -710,3 +711,24 @@ def test_a_renamed_job_is_told_where_its_rows_are(make_job, tmp_path):
     edit(job, lambda s: s["sampling"].update(max_tokens=64) or s.update(name="y2025")
          or s["input"].update(path="data/2025.parquet"))
     assert "renamed?" not in invoke("status", job).output and "renamed?" not in invoke("run", "--engine", "fake", job).output
+
+
+def test_a_job_file_with_a_key_that_no_longer_validates_still_reads_its_results(make_job, tmp_path):
+    """stats, export, report and prune read only the job's name and database: a typo elsewhere (or
+    a key a newer runner renamed) must not lock its stored results away. A bad name or database
+    still stops them, with the job file's error."""
+    job = make_job(rows=4)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(Path(job).read_text().replace("temperature:", "temprature:"))
+    assert invoke("validate", str(typo)).exit_code == 2  # as a job it does not load
+    out = invoke("stats", "--job", str(typo))
+    assert out.exit_code == 0 and "ok 4" in out.stdout, out.output
+    out = invoke("export", "--job", str(typo), "--format", "csv", "-o", str(tmp_path / "x.csv"))
+    assert out.exit_code == 0 and len((tmp_path / "x.csv").read_text().splitlines()) == 5, out.output
+    assert invoke("report", "1", "--job", str(typo), "-o", str(tmp_path / "x.html")).exit_code == 0
+    assert invoke("prune", str(typo), "--keep-versions", "1").exit_code == 0
+    nameless = tmp_path / "nameless.yaml"
+    nameless.write_text(Path(job).read_text().replace("temperature:", "temprature:").replace("name: t", "name: t t"))
+    out = invoke("stats", "--job", str(nameless))
+    assert out.exit_code == 2 and out.stderr.startswith("Error: ") and "sampling.temprature: unknown key" in out.stderr
