@@ -28,8 +28,9 @@ def status(job, overrides):
       runner status jobs/summarize.yaml
     """
     from runner.cli_results import _open_store  # here: under `python -m runner.cli`, cli_results is still loading
-    from runner.errors import NotFound, SpecError
+    from runner.errors import ModelError, NotFound, SpecError
     from runner.fingerprint import changed_parts, result_fingerprint
+    from runner.models import missing_model
     from runner.lock import holder
     from runner.spec import job_results, load_job
 
@@ -38,6 +39,9 @@ def status(job, overrides):
         spec, unloaded = load_job(job, overrides, check_engine=False), None  # results only: no engine starts
     except SpecError as exc:  # a retired job (its schema or prompts gone): what is stored still shows,
         spec, unloaded = None, exc  # then the error, whose exit code (2) monitoring reads
+    if spec is not None and not (spec.model_path / "config.json").is_file():
+        # the fingerprints hold the model's files: without them every row would read as changed
+        spec, unloaded = None, ModelError(missing_model(spec.model_path))
     name = spec.name if spec is not None else job_results(job, overrides)[1]
     next_run = (lambda store: _next_run(spec, store)) if spec is not None else (
         lambda store: "next run: not counted: the job does not load (below)")

@@ -732,3 +732,18 @@ def test_a_job_file_with_a_key_that_no_longer_validates_still_reads_its_results(
     nameless.write_text(Path(job).read_text().replace("temperature:", "temprature:").replace("name: t", "name: t t"))
     out = invoke("stats", "--job", str(nameless))
     assert out.exit_code == 2 and out.stderr.startswith("Error: ") and "sampling.temprature: unknown key" in out.stderr
+
+
+def test_status_with_the_model_missing_says_so_and_does_not_call_the_rows_changed(make_job, tmp_path):
+    """The fingerprints hold the model's files: with the folder gone (another user's cache, a typo in
+    --set) every row read as changed and due to run again. Now the rows are not compared, and the
+    model's error ends it (exit 4), as validate and run stop."""
+    job = make_job(rows=4)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    out = invoke("status", job, "--set", f"engine.model={tmp_path / 'gone'}")
+    assert out.exit_code == 4, out.output
+    assert "changed" not in out.stdout and "not compared" in out.stdout and "next run: not counted" in out.stdout
+    assert out.stderr.startswith("Error: ") and "gone: model folder not found" in out.stderr
+    assert invoke("validate", job, "--set", f"engine.model={tmp_path / 'gone'}").exit_code == 4
+    out = invoke("status", job)
+    assert out.exit_code == 0 and "current" in out.stdout and "next run: nothing to run" in out.stdout, out.output
