@@ -130,6 +130,8 @@ class LocalReader(Reader):
                 self._check_columns(file, set(data.schema.names), partition)
                 return data.to_batches(columns=present, batch_size=self.spec.batch_rows)
 
+            if os.path.getsize(file) == 0:  # no header, no rows: an empty file, as an empty JSON Lines file is
+                return
             yield from Resumable().batches(read, self.spec.batch_rows)
             if self._scanning:  # read to its end (a limit reached stops before): checked once, by the scan
                 refuse_open_quote(file)

@@ -38,6 +38,23 @@ def test_csv_keeps_ids_as_written_text_across_lines_and_empty_cells_as_missing(m
         "NA": "ok", "US": "ok"}
 
 
+def test_an_empty_csv_file_in_a_folder_holds_no_rows_as_an_empty_jsonl_file_does(make_job, tmp_path):
+    """A 0-byte CSV beside others (an export that found nothing today) was "corrupt or unreadable"
+    and stopped the whole job; a folder of nothing but empty files still has no rows."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.csv").write_text("id,text,system_prompt\n1,a,S\n")
+    (folder / "b.csv").write_text("")
+    (folder / "c.jsonl").write_text("")
+    job = make_job()
+    out = invoke("run", "--engine", "fake", "--quiet", "--set", "input.path=in", job)
+    assert out.exit_code == 0, out.output
+    assert dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status FROM results")) == {"1": "ok"}
+    (folder / "a.csv").write_text("")
+    out = invoke("validate", "--set", "input.path=in", job)
+    assert out.exit_code == 3 and "the input has no rows" in out.output, out.output
+
+
 def test_a_csv_row_longer_than_pyarrows_blocks_is_read(make_job, tmp_path):
     """A 2.25 MB cell was refused as "corrupt or unreadable csv data" (a straddling object)."""
     (tmp_path / "docs.csv").write_text('id,text,system_prompt\n1,a,S\n2,"' + "word " * 450_000 + '",S\n3,c,S\n')
