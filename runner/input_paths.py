@@ -70,16 +70,41 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
 
 
 def would_read(target: str, path: str, declared: Optional[str] = None) -> bool:
-    """Whether a file at `target` (absolute) would be among the files the input path names: one of
-    its format's endings below its folder, or matched by its glob (compared by fnmatch, in which `*`
-    also crosses folders: a guard errs on the side of refusing)."""
-    endings = _accepted_endings(declared)
-    if not os.path.basename(target).lower().endswith(endings):
+    """Whether a file at `target` (absolute, links resolved) would be among the files the input path
+    names, were it there: one of its format's endings in a folder the input folder's walk reads
+    (linked folders too) under a name that is not hidden, or matched by the glob as input_files
+    matches it (its existing leading folder taken as written)."""
+    if not os.path.basename(target).lower().endswith(_accepted_endings(declared)):
         return False
+    if any(ch in path for ch in "*?[") and not os.path.exists(path):
+        literal = _existing_folder(path)
+        return _glob_names(target, path, literal) or (
+            any(ch in os.path.basename(literal) for ch in "*?[") and _glob_names(target, path, os.path.dirname(literal)))
     if os.path.isdir(path):
-        return target.startswith(os.path.realpath(path).rstrip(os.sep) + os.sep)
-    path = os.path.abspath(path)
-    return any(ch in path for ch in "*?[") and fnmatch.fnmatch(target, path.replace("**" + os.sep, "*"))
+        parent = os.path.dirname(target)
+        return not _hidden(os.path.basename(target)) and any(os.path.realpath(top) == parent for top, _ in _folders(path))
+    return False
+
+
+def _glob_names(target: str, path: str, literal: str) -> bool:
+    """Whether _globbed(path, literal) would name `target`."""
+    base = os.path.realpath(literal) if literal else os.sep
+    relative = os.path.relpath(target, base)
+    pattern = os.path.relpath(path, literal) if literal else path.lstrip(os.sep)
+    if relative.startswith(os.pardir) or not _parts_match(Path(pattern).parts, Path(relative).parts):
+        return False
+    root = max(_fixed_part(path), literal, key=len)
+    named = {part[0] for part in Path(os.path.relpath(path, root)).parts if part.startswith(("_", "."))}
+    return not _hidden(os.path.relpath(target, os.path.realpath(root)), named)
+
+
+def _parts_match(pattern: tuple, parts: tuple) -> bool:
+    """glob's rule, part by part: `**` stands for any number of folders, other parts as fnmatch."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_parts_match(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _parts_match(pattern[1:], parts[1:])
 
 
 def _globbed(path: str, literal: str) -> list[str]:
@@ -123,6 +148,15 @@ def _walk(folder: str) -> Iterator[str]:
     """The files below folder, through links to folders outside it, without hidden names (_hidden).
     A link to a folder inside it is left to the folder's own path (a hive partition's key=value
     is in that path, not the link's); each real folder is read once."""
+    for top, names in _folders(folder):
+        for name in names:
+            f = os.path.join(top, name)
+            if not _hidden(name) and os.path.isfile(f):
+                yield f
+
+
+def _folders(folder: str) -> Iterator[tuple[str, list[str]]]:
+    """(folder, its names) of each folder _walk reads: folder itself, and below it, through links."""
     root = os.path.realpath(folder)
     seen = set()
     for top, dirs, names in os.walk(folder, followlinks=True):
@@ -132,10 +166,7 @@ def _walk(folder: str) -> Iterator[str]:
             continue
         seen.add(real)
         dirs[:] = sorted(d for d in dirs if not _hidden(d) and not _link_inside(os.path.join(top, d), root))
-        for name in names:
-            f = os.path.join(top, name)
-            if not _hidden(name) and os.path.isfile(f):
-                yield f
+        yield top, names
 
 
 def _link_inside(path: str, root: str) -> bool:

@@ -1,6 +1,7 @@
 """Parquet reading: streaming in record batches, input paths, and bad input found before a run."""
 from __future__ import annotations
 
+import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -313,3 +314,31 @@ def test_nested_values_reach_the_prompt_as_json_not_python_repr(tmp_path):
                                       + "\n")
     [row] = iter_documents(tmp_path / "d.jsonl", SPEC.model_copy(update={"extra_columns": ["meta"]}), None)
     assert row.fields == {"meta": '{"k": [1, 2]}'}
+
+
+def test_the_export_guard_names_what_the_input_reads_and_nothing_else(tmp_path):
+    """would_read (export -o's guard) against input_files: a file made at the target would be read
+    exactly when the guard says so. Holes found: a folder linked from inside the input folder, and
+    a glob below a folder whose name holds brackets; false alarms: a hidden name, a glob's subfolder."""
+    from runner.input_paths import input_files, would_read
+
+    outside = tmp_path / "ext"
+    outside.mkdir()
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "ext").symlink_to(outside)
+    bracket = tmp_path / "da[ta] x"
+    bracket.mkdir()
+    for folder in (data, outside, data / "sub", bracket):
+        pq.write_table(pa.table({"id": ["a"]}), folder / "seed.parquet")
+    cases = [(str(data), outside / "new.parquet", True), (str(data), data / "sub" / "new.parquet", True),
+             (str(data), data / "_x.parquet", False), (str(data), data / "new.txt", False),
+             (str(data / "*.parquet"), data / "sub" / "new.parquet", False), (str(data / "*.parquet"), data / "n.parquet", True),
+             (str(data / "**" / "*.parquet"), data / "sub" / "new.parquet", True),
+             (str(bracket / "*.parquet"), bracket / "e.parquet", True), (str(bracket / "*.parquet"), tmp_path / "e.parquet", False)]
+    for path, target, expected in cases:
+        assert would_read(str(target.resolve()) if target.parent.exists() else str(target), path) is expected, (path, target)
+        pq.write_table(pa.table({"id": ["a"]}), target) if target.suffix == ".parquet" else target.write_text("")
+        read = {os.path.realpath(f) for f in input_files(path)}
+        assert (os.path.realpath(target) in read) is expected, (path, target, read)
+        target.unlink()
