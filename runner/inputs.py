@@ -150,8 +150,10 @@ def _scan(reader: Reader, seen: RowIds) -> InputScan:
             if spec.system_prompt_column:
                 sp = _text_column(file, batch, spec.system_prompt_column, "input.system_prompt_column")
                 if sp.null_count and spec.on_bad_row == "fail":
-                    raise InputError(f"{file}: column {spec.system_prompt_column!r} has "
-                                     f"{plural(sp.null_count, 'null system prompt')}")
+                    first = ids[sp.is_null().to_pylist().index(True)].as_py()
+                    raise InputError(f"{file}: column {spec.system_prompt_column!r} (input.system_prompt_column) is "
+                                     f"null in {plural(sp.null_count, 'row')}, first at id {first!r} "
+                                     "(input.on_bad_row: store runs the other rows)")
                 _add_keys(scan.system_prompt_keys, sp)
             for c in spec.extra_columns:
                 _extra_column(file, batch, c)  # bytes that are not UTF-8 stop the run here

@@ -109,7 +109,7 @@ def _write(tmp_path, **cols):
     (lambda p: _write(p, id=["a", "b"], text=["x"] * 2,  # the bad value is the dictionary's 4th, used by row a
                       system_prompt=pa.DictionaryArray.from_arrays(pa.array([3, 0]), pa.array([b"s", b"t", b"u", b"\xff"]))),
      "column 'system_prompt' (input.system_prompt_column) holds bytes that are not UTF-8 text (at id 'a')"),
-    (lambda p: _write(p, id=["a", "b"], text=["x"] * 2, system_prompt=["s", None]), "has 1 null system prompt"),
+    (lambda p: _write(p, id=["a", "b"], text=["x"] * 2, system_prompt=["s", None]), "column 'system_prompt' (input.system_prompt_column) is null in 1 row, first at id 'b'"),
     (lambda p: _write(p, id=["a"], text=[3], system_prompt=["s"]), "must hold text, not int64"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, make, expected):
