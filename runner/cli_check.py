@@ -108,9 +108,12 @@ def plan(job, overrides):
         share = g.cacheable_tokens / g.prompt_tokens if g.prompt_tokens else 0
         say(f"{g.key:<12}  {g.rows:>7,}  {g.prompt_tokens:>11,}  {g.prefix_tokens:>10,}  {share:>9.1%}  {g.preview}")
     exact = "" if p.tokens_exact else " (estimated: model not prepared)"
-    say(f"{len(p.groups)} groups, {p.rows:,} rows, {p.prompt_tokens:,} prompt tokens{exact}")
+    say(f"{plural(len(p.groups), 'group')}, {plural(p.rows, 'row')}, {plural(p.prompt_tokens, 'prompt token')}{exact}")
+    if p.rows_bad_input:
+        say(f"{plural(p.rows_bad_input, 'row')} with a null text or system prompt, or values prompts.system_template "
+            "cannot take (input.on_bad_row: store: a run stores them as failed)")
     if p.rows_without_prompt:
-        say(f"{p.rows_without_prompt:,} rows whose values do not fit prompts.user_template (a run stores them as failed)")
+        say(f"{plural(p.rows_without_prompt, 'row')} whose values do not fit prompts.user_template (a run stores them as failed)")
     if p.rows_too_long:
         what = "cuts their documents to fit" if spec.spec.input.on_too_long == "truncate" else "stores them as failed"
         say(f"{'' if p.tokens_exact else '~'}{plural(p.rows_too_long, 'row')} with a prompt over "

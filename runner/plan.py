@@ -139,6 +139,7 @@ class PlanSummary:
     tokens_exact: bool  # False when counted without the model's tokenizer (chars / 4)
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     rows_without_prompt: int = 0  # rows whose user template fails on their values
+    rows_bad_input: int = 0  # rows with a null text or system prompt, or a system template they fail
     prompt_room: Optional[int] = None  # max_model_len - max_tokens: the longest prompt a row may have
     rows_too_long: int = 0  # rows whose prompt is longer (on_too_long: fail stores them failed)
     rows_uncuttable: int = 0  # of those, rows no cut of the document makes fit (counted with a `fits`)
@@ -204,7 +205,7 @@ def summarize_plan(docs: Iterable[Document], builder: Optional[PromptBuilder | C
             _count(pending, builder, groups, bound, summary, fits)
             pending = []
     _count(pending, builder, groups, bound, summary, fits)
-    summary.groups = list(groups.values())
+    summary.groups = [g for g in groups.values() if g.rows]  # not a group whose every row fails its template
     return summary
 
 
@@ -213,6 +214,9 @@ def _count(docs: list[Document], builder: PromptBuilder | CharEstimate, groups: 
     """Tokenize a batch, a system prompt at a time (in parallel in the tokenizer), and count it."""
     by_prompt: dict[Optional[str], list[Document]] = {}
     for d in docs:
+        if d.problem is not None:  # a null text or system prompt (input.on_bad_row: store): never run
+            summary.rows_bad_input += 1
+            continue
         by_prompt.setdefault(d.system_prompt, []).append(d)
     for system, rows in by_prompt.items():
         key = group_key(system)

@@ -169,6 +169,10 @@ def test_on_bad_row_store_records_bad_rows_and_runs_the_rest(make_job, tmp_path)
     assert refused.exit_code == 3 and "input.on_bad_row: store runs the other rows" in refused.output
     assert not (tmp_path / "out" / "results.sqlite").exists()
 
+    # plan counts what a run generates: the null text and null system prompt rows apart, no group for them
+    plan = CliRunner().invoke(cli, ["plan", "--set", "input.on_bad_row=store", str(job)])
+    assert plan.exit_code == 0 and "1 group, 2 rows," in plan.output, plan.output
+    assert "2 rows with a null text or system prompt" in plan.output and "(no system prompt)" not in plan.output
     result = CliRunner().invoke(cli, ["run", "--engine", "fake", "--set", "input.on_bad_row=store", str(job)])
     assert result.exit_code == 0, result.output
     assert "3 input rows left out (null or repeated ids" in result.output
