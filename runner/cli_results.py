@@ -145,6 +145,8 @@ def _file_path(output: str) -> Path:
     file of the folder's name."""
     from runner.errors import OutputFileError
 
+    if not output:
+        raise OutputFileError("-o: the name is empty: give a file name")
     if output.endswith(("/", os.sep)):
         raise OutputFileError(f"{output}: names a folder: give a file name")
     return Path(output)

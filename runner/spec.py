@@ -291,6 +291,8 @@ def _load(shown: Path, raw: dict[str, Any], check_engine: bool = True) -> Job:
     cfg_path = _resolve(base, overrides.pop("config"))
     if not cfg_path.exists():
         raise SpecError(f"{shown}: engine.config: file not found: {cfg_path}")
+    if cfg_path.is_dir():
+        raise SpecError(f"{shown}: engine.config: {cfg_path} is a folder: name the engine config file in it")
     engine = load_engine_config(cfg_path, overrides, shown)
     try:
         # a path is relative to the file that gives it: the job (or --set: the job's folder), or the

@@ -55,6 +55,8 @@ def unwritable_reason(path: Path) -> Optional[str]:
     writing (root excepted: see _can_write_in): the file, or the nearest folder that exists above
     it, must be writable, and a file there must be a SQLite database."""
     if path.exists():
+        if path.is_dir():
+            return "is a folder: name the database file in it (results.sqlite, say)"
         if not (path.is_file() and os.access(path, os.R_OK | os.W_OK)):
             return "cannot be written: not a writable file"
         with open(path, "rb") as f:  # an empty file is an empty database to SQLite

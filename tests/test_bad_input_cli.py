@@ -101,6 +101,8 @@ CASES = [
      "job.yaml: sampling.stop: Value error, an empty string would stop every output"),
     ("max_tokens past the model length", edit_job(lambda s, p: s["sampling"].update(max_tokens=100_000)), 2,
      "job.yaml: sampling.max_tokens: 100000 leaves no room for a prompt within max_model_len"),
+    ("engine config a folder", edit_job(lambda s, p: s["engine"].update(config="configs")), 2,
+     "configs is a folder: name the engine config file in it"),
     ("missing model path", edit_job(lambda s, p: s["engine"].update(model=str(p / "nope"))), 4, "nope: model folder not found or incomplete: no such folder (engine.model)"),
 ]
 
@@ -270,10 +272,13 @@ def test_jsonl_csv_and_openai_batch_inputs_run_like_parquet(make_job, tmp_path):
     assert bad.exit_code == 3 and "batch.jsonl: line 1: not an OpenAI batch request" in bad.output
 
 
-@pytest.mark.parametrize("where", ["under_a_file", "read_only"])
+@pytest.mark.parametrize("where", ["under_a_file", "read_only", "a_folder"])
 def test_validate_refuses_a_database_that_cannot_be_written(make_job, tmp_path, where):
     blocker = tmp_path / "blocker"
-    if where == "under_a_file":
+    if where == "a_folder":  # output.database: out/ meant a file in it
+        blocker.mkdir()
+        db = blocker
+    elif where == "under_a_file":
         blocker.write_text("")
         db = blocker / "sub" / "results.sqlite"  # its nearest existing "folder" is a file
     else:
@@ -285,7 +290,8 @@ def test_validate_refuses_a_database_that_cannot_be_written(make_job, tmp_path, 
     edit_job(lambda s, p: s["output"].update(database=str(db)))(tmp_path, job)
     result = CliRunner().invoke(cli, ["validate", str(job)])
     assert result.exit_code == 6 and len(result.output.splitlines()) == 1, result.output
-    assert result.output.startswith(f"Error: {db}: output.database: cannot be written")
+    assert result.output.startswith(f"Error: {db}: output.database: " + (
+        "is a folder: name the database file in it" if where == "a_folder" else "cannot be written")), result.output
     run = CliRunner().invoke(cli, ["run", "--engine", "fake", str(job)])
     assert run.exit_code == 6 and run.output == result.output  # what validate foretold, as it said it
 

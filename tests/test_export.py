@@ -140,6 +140,9 @@ def test_export_and_report_refuse_to_write_over_the_database_they_read(db, tmp_p
     assert lock.read_text() == "" and not log.exists()
     out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "--format", "csv", "-o", str(db) + ".t.csv"])
     assert out.exit_code == 0, out.output  # only those two names are the database's
+    for args in (["export", "1", "--format", "csv"], ["report", "1"]):  # -o '' read as the current folder
+        out = CliRunner().invoke(cli, [*args, "--db", str(db), "-o", ""])
+        assert out.exit_code == 6 and out.output == "Error: -o: the name is empty: give a file name\n", out.output
 
 
 def test_a_report_named_as_results_data_is_refused(db, tmp_path):
