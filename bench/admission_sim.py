@@ -39,6 +39,10 @@ from runner.engines.feed import Feed  # noqa: E402
 SHAPES = {
     "8b": dict(blocks=3072, prefix=980, private=243, out=(256, 256), max_tokens=256,
                cost=(3.5e-3, 80e-6, 37e-6, 0.027e-6)),
+    # the 8B shape's step as measured on an H100 (bench/step_cost.py, 2026-12-05: 6.4-6.9 ms fixed, 25 us
+    # a request at ~170 tokens of context and 60-69 us at ~1,300: the context's share is the last term)
+    "8b-measured": dict(blocks=3072, prefix=980, private=243, out=(256, 256), max_tokens=256,
+                        cost=(6.9e-3, 34e-6, 37e-6, 0.027e-6)),
     "135m": dict(blocks=1024, prefix=980, private=243, out=(40, 128), max_tokens=128,
                  cost=(4e-3, 120e-6, 0.5e-6, 0.0)),
     # the incidents workload on the 135M model (H200, commit 347b337: 592 prompt tokens a row, 39%

@@ -70,6 +70,11 @@
 # the three ~1,130 s, a round ~290 s):
 #   WARMUP="invoices/roomy/135m=ray1" BENCH_COMMIT=<commit> bash bench/gpu.sh start --cases "" --repeats 3 \
 #     --multi-repeats 3 --deadline-s 1000 --multi "invoices/roomy/135m=ray1,ray2,ray2sp"
+# What a step costs (bench/step_cost.py; 2026-12-05 on an H100, ~290 s with the engine's first start of 211 s):
+#   cd /tmp/proj && PYTHONPATH=/tmp/site:/tmp/proj VLLM_CACHE_ROOT=/tmp/vllm-cache HF_HUB_OFFLINE=1 timeout 440 \
+#     python3 bench/step_cost.py --model /tmp/smollm2 --shape 8b --batches 16,64,128,192 --tokens 96 --repeats 2 --out $OUT/sc.json
+# A process left running in the background must be started with setsid (as `start` does): without it,
+# it ended with the call that started it, and ~560 s of device time went by polling an empty log.
 set -u
 BENCH="${BENCH:-bench/bench.py}"
 export PYTHONPATH=/tmp/site VLLM_CACHE_ROOT=/tmp/vllm-cache RUNNER_CACHE=/tmp/runner-cache PYTHONUNBUFFERED=1 \
