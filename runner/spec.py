@@ -215,19 +215,28 @@ def job_results(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Path, 
     try:
         spec = JobFile.model_validate(raw)
     except ValidationError as exc:
-        # A key elsewhere that no longer validates (a typo, or one a newer runner renamed) must not
-        # keep its stored results from being read: the name and database are all these commands use.
+        # A key of the file's that no longer validates (a typo, or one a newer runner renamed) must
+        # not keep its stored results from being read: the name and the output section are what
+        # these commands use, and they stay checked, as does every --set (`output.databse=...` would
+        # read another database than meant).
+        with_set = f" (with --set {' --set '.join(overrides)})" if overrides else ""
+        if _given_by_set(exc, overrides):
+            raise SpecError(format_validation_error(shown, exc) + with_set) from None
         try:
             spec = _JobResults.model_validate(raw)
-        except ValidationError:
-            with_set = f" (with --set {' --set '.join(overrides)})" if overrides else ""
-            raise SpecError(format_validation_error(shown, exc) + with_set) from None
+        except ValidationError as part:  # what these commands read is wrong: that is the error
+            raise SpecError(format_validation_error(shown, part) + with_set) from None
     return _resolve(shown.resolve().parent, spec.output.database), spec.name
 
 
-class _Database(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    database: str
+def _given_by_set(exc: ValidationError, overrides: Sequence[str]) -> bool:
+    """Whether one of the errors is at (or within, or above) a key that --set gave."""
+    keys = [o.split("=", 1)[0].strip() for o in overrides]
+    for err in exc.errors():
+        at = ".".join(str(p) for p in err["loc"])
+        if any(at == k or at.startswith(k + ".") or k.startswith(at + ".") for k in keys):
+            return True
+    return False
 
 
 class _JobResults(BaseModel):
@@ -235,7 +244,7 @@ class _JobResults(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    output: _Database
+    output: OutputSpec
 
 
 def job_sources(path: str | Path, overrides: Sequence[str] = ()) -> Callable[[Path], Optional[str]]:

@@ -730,8 +730,14 @@ def test_a_job_file_with_a_key_that_no_longer_validates_still_reads_its_results(
     assert invoke("prune", str(typo), "--keep-versions", "1").exit_code == 0
     nameless = tmp_path / "nameless.yaml"
     nameless.write_text(Path(job).read_text().replace("temperature:", "temprature:").replace("name: t", "name: t t"))
-    out = invoke("stats", "--job", str(nameless))
-    assert out.exit_code == 2 and out.stderr.startswith("Error: ") and "sampling.temprature: unknown key" in out.stderr
+    out = invoke("stats", "--job", str(nameless))  # what it reads is wrong: that is the error shown
+    assert out.exit_code == 2 and out.stderr.startswith("Error: ") and "nameless.yaml: name: " in out.stderr, out.output
+    # the output section, and whatever --set gives, stay checked: a typo there would read another database
+    out = invoke("stats", "--job", job, "--set", "sampling.temprature=0")
+    assert out.exit_code == 2 and "sampling.temprature: unknown key" in out.stderr, out.output
+    (tmp_path / "out_typo.yaml").write_text(typo.read_text().replace("commit_every_rows:", "commit_evry_rows:"))
+    out = invoke("stats", "--job", str(tmp_path / "out_typo.yaml"))
+    assert out.exit_code == 2 and "output.commit_evry_rows: unknown key" in out.stderr, out.output
 
 
 def test_status_with_the_model_missing_says_so_and_does_not_call_the_rows_changed(make_job, tmp_path):
