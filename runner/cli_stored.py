@@ -39,8 +39,10 @@ def status(job, overrides):
         spec, unloaded = load_job(job, overrides, check_engine=False), None  # results only: no engine starts
     except SpecError as exc:  # a retired job (its schema or prompts gone): what is stored still shows,
         spec, unloaded = None, exc  # then the error, whose exit code (2) monitoring reads
-    if spec is not None and not (spec.model_path / "config.json").is_file():
-        # the fingerprints hold the model's files: without them every row would read as changed
+    if spec is not None and not (spec.model_path / "config.json" if spec.spec.executor == "local"
+                                 else spec.model_path).exists():
+        # the fingerprints hold the model's files: without them every row would read as changed (a
+        # Ray job's driver may hold its tokenizer alone, as validate and run accept)
         spec, unloaded = None, ModelError(missing_model(spec.model_path))
     name = spec.name if spec is not None else job_results(job, overrides)[1]
     next_run = (lambda store: _next_run(spec, store)) if spec is not None else (

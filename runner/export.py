@@ -267,10 +267,11 @@ def _same_database(target: Path, db: Path) -> bool:
 
 
 def _beside_database(target: Path, db: Path) -> bool:
-    """Whether target is named as a job's lock or engine log of that database: DB.JOB.lock, DB.JOB.log."""
+    """Whether target is named as a job's lock or engine log of that database: DB.JOB.lock, DB.JOB.log
+    (and the log kept from before, DB.JOB.log.1)."""
     real = Path(os.path.realpath(db))
     return (target.parent == real.parent and target.name.startswith(real.name + ".")
-            and target.suffix in (".lock", ".log"))
+            and (target.suffix in (".lock", ".log") or target.name.endswith(".log.1")))
 
 
 def _write(tables: Iterable, schema, fmt: str, out: Optional[Path]) -> int:

@@ -81,9 +81,13 @@ def would_read(target: str, path: str, declared: Optional[str] = None) -> bool:
         return _glob_names(target, path, literal) or (
             any(ch in os.path.basename(literal) for ch in "*?[") and _glob_names(target, path, os.path.dirname(literal)))
     if os.path.isdir(path):
-        parent = os.path.dirname(target)
-        return not _hidden(os.path.basename(target)) and any(os.path.realpath(top) == parent for top, _ in _folders(path))
-    return False
+        parent, made = os.path.dirname(target), [os.path.basename(target)]
+        while parent != os.path.dirname(parent) and not os.path.isdir(parent):  # folders the write would make
+            made.append(os.path.basename(parent))
+            parent = os.path.dirname(parent)
+        parent = os.path.realpath(parent)
+        return not any(_hidden(p) for p in made) and any(os.path.realpath(top) == parent for top, _ in _folders(path))
+    return os.path.realpath(path) == target  # the input file itself, there now or not
 
 
 def _glob_names(target: str, path: str, literal: str) -> bool:

@@ -247,25 +247,37 @@ class _JobResults(BaseModel):
     output: OutputSpec
 
 
+def _text(raw: Any, *keys: str) -> Optional[str]:
+    """raw[k1][k2]... where it is text, else None."""
+    for k in keys:
+        raw = raw.get(k) if isinstance(raw, dict) else None
+    return raw if isinstance(raw, str) and raw else None
+
+
 def job_sources(path: str | Path, overrides: Sequence[str] = ()) -> Callable[[Path], Optional[str]]:
     """A test of a path an export or report would write: what of the job's own it is (the job, its
     schema, engine config, prompt files, an input file, or a file its input path would read next
     time), or None. Parts the job no longer names readably are left out: this only guards."""
     import contextlib
 
-    from runner.input_paths import input_files, would_read
+    from runner.input_paths import EXTENSIONS, input_files, would_read
 
     shown = Path(path)
     base = shown.resolve().parent
     files = {shown.resolve(): "the job file"}
     input_path = None
-    with contextlib.suppress(Exception):  # a job that no longer loads: its own file is guarded still
-        spec = JobFile.model_validate(apply_overrides(read_yaml(shown), overrides))
-        named = {"the job's output_schema": spec.output_schema, "the job's engine.config": spec.engine.config,
-                 "the job's prompts.system_file": spec.prompts.system_file,
-                 "the job's prompts.chat_template": spec.prompts.chat_template}
+    with contextlib.suppress(Exception):  # a job that does not read: its own file is guarded still
+        # Read key by key, not validated: a key elsewhere that no longer validates (stats and export
+        # still read such a job) must not drop the guards.
+        raw = apply_overrides(read_yaml(shown), overrides)
+        named = {"the job's output_schema": _text(raw, "output_schema"),
+                 "the job's engine.config": _text(raw, "engine", "config"),
+                 "the job's prompts.system_file": _text(raw, "prompts", "system_file"),
+                 "the job's prompts.chat_template": _text(raw, "prompts", "chat_template")}
         files.update({_resolve(base, p).resolve(): what for what, p in named.items() if p})
-        input_path = (str(_resolve(base, spec.input.path)), spec.input.format)
+        fmt = _text(raw, "input", "format")
+        if _text(raw, "input", "path"):  # an unknown format: every known ending, the cautious reading
+            input_path = (str(_resolve(base, _text(raw, "input", "path"))), fmt if fmt in EXTENSIONS else None)
         with contextlib.suppress(Exception):
             files.update({Path(f).resolve(): "one of the job's input files" for f in input_files(*input_path)})
 

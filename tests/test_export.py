@@ -133,7 +133,7 @@ def test_export_and_report_refuse_to_write_over_the_database_they_read(db, tmp_p
     lock, log = db.with_name(db.name + ".t.lock"), db.with_name(db.name + ".t.log")
     lock.write_text("")
     for args in (["export", "1", "--format", "csv"], ["report", "1"]):
-        for target in (lock, log):
+        for target in (lock, log, log.with_name(log.name + ".1")):
             out = CliRunner().invoke(cli, [*args, "--db", str(db), "-o", str(target)])
             assert out.exit_code == 6 and out.output == (f"Error: {target}: is a job's lock or engine log beside the "
                                                          "results database: give another file\n"), out.output

@@ -335,9 +335,13 @@ def test_the_export_guard_names_what_the_input_reads_and_nothing_else(tmp_path):
              (str(data), data / "_x.parquet", False), (str(data), data / "new.txt", False),
              (str(data / "*.parquet"), data / "sub" / "new.parquet", False), (str(data / "*.parquet"), data / "n.parquet", True),
              (str(data / "**" / "*.parquet"), data / "sub" / "new.parquet", True),
-             (str(bracket / "*.parquet"), bracket / "e.parquet", True), (str(bracket / "*.parquet"), tmp_path / "e.parquet", False)]
+             (str(bracket / "*.parquet"), bracket / "e.parquet", True), (str(bracket / "*.parquet"), tmp_path / "e.parquet", False),
+             # folders the export would make: a new hive partition is read, a hidden folder is not
+             (str(data), data / "year=2025" / "x.parquet", True), (str(data), data / "_tmp" / "x.parquet", False),
+             (str(data / "gone.parquet"), data / "gone.parquet", True)]  # the input file, not there now
     for path, target, expected in cases:
-        assert would_read(str(target.resolve()) if target.parent.exists() else str(target), path) is expected, (path, target)
+        assert would_read(str(target.resolve()), path) is expected, (path, target)
+        target.parent.mkdir(exist_ok=True)
         pq.write_table(pa.table({"id": ["a"]}), target) if target.suffix == ".parquet" else target.write_text("")
         read = {os.path.realpath(f) for f in input_files(path)}
         assert (os.path.realpath(target) in read) is expected, (path, target, read)

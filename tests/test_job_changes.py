@@ -728,6 +728,9 @@ def test_a_job_file_with_a_key_that_no_longer_validates_still_reads_its_results(
     assert out.exit_code == 0 and len((tmp_path / "x.csv").read_text().splitlines()) == 5, out.output
     assert invoke("report", "1", "--job", str(typo), "-o", str(tmp_path / "x.html")).exit_code == 0
     assert invoke("prune", str(typo), "--keep-versions", "1").exit_code == 0
+    for own in ("data/docs.parquet", "schemas/out.json"):  # read key by key, its files are guarded still
+        out = invoke("export", "--job", str(typo), "--format", "parquet", "-o", str(tmp_path / own))
+        assert out.exit_code == 6 and "give another file" in out.output, (own, out.output)
     nameless = tmp_path / "nameless.yaml"
     nameless.write_text(Path(job).read_text().replace("temperature:", "temprature:").replace("name: t", "name: t t"))
     out = invoke("stats", "--job", str(nameless))  # what it reads is wrong: that is the error shown
