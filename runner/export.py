@@ -67,12 +67,11 @@ def _scalar(sub) -> bool:
 
 def _followed(sub, root: dict, hops: int = 16):
     """`sub` with its local `$ref` (`#/$defs/x`) followed, a few hops at most (a cycle stops)."""
+    from runner.schema_file import NOTHING, pointed
+
     while hops and isinstance(sub, dict) and isinstance(sub.get("$ref"), str) and sub["$ref"].startswith("#/"):
-        target = root
-        for part in sub["$ref"][2:].split("/"):
-            part = part.replace("~1", "/").replace("~0", "~")  # JSON Pointer escapes
-            target = target.get(part) if isinstance(target, dict) else None
-        if target is None:
+        target = pointed(root, sub["$ref"])
+        if target is NOTHING:
             return sub
         sub, hops = target, hops - 1
     return sub

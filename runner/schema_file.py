@@ -171,15 +171,16 @@ def dangling_refs(schema: Any):
             continue
         if not (ref == "#" or ref.startswith("#/")):
             continue
-        if _pointed(schema, ref) is _NOTHING:
+        if pointed(schema, ref) is NOTHING:
             yield loc, ref
 
 
-_NOTHING = object()
+NOTHING = object()
 
 
-def _pointed(schema: Any, ref: str) -> Any:
-    """What a `#/...` pointer finds in the document, or _NOTHING."""
+def pointed(schema: Any, ref: str) -> Any:
+    """What a `#/...` pointer finds in the document, or NOTHING (as jsonschema resolves it; the
+    export follows a field's `$ref` the same way)."""
     from urllib.parse import unquote
 
     node = schema
@@ -191,7 +192,7 @@ def _pointed(schema: Any, ref: str) -> Any:
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
-            return _NOTHING
+            return NOTHING
     return node
 
 
@@ -202,7 +203,7 @@ def looping_refs(schema: Any):
         seen, at = set(), ref
         while isinstance(at, str) and (at == "#" or at.startswith("#/")) and at not in seen:
             seen.add(at)
-            node = _pointed(schema, at)
+            node = pointed(schema, at)
             at = node.get("$ref") if isinstance(node, dict) and not set(node) - _ANNOTATIONS - {"$ref"} else None
         if isinstance(at, str) and at in seen:
             yield loc, ref

@@ -115,6 +115,9 @@ def test_flat_fields_tell_scalars_from_structures():
     schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "array"},
                                                 "c": {"type": ["integer", "null"]}, "d": {"enum": ["x", "y"]}}}
     assert flat_fields(schema) == {"a": True, "b": False, "c": True, "d": True}
+    # a field's $ref is resolved as the schema's own check resolves it: percent-escapes too
+    ref = {"type": "object", "$defs": {"a b": {"type": "string"}}, "properties": {"x": {"$ref": "#/$defs/a%20b"}}}
+    assert flat_fields(ref) == {"x": True}
 
 
 @pytest.mark.vllm
