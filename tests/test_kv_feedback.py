@@ -72,9 +72,9 @@ def budget_with_two_sent(feedback: bool) -> tuple[KvBudget, Request]:
     b = KvBudget(total_blocks=60, block_tokens=16, project=False)
     b.project = True  # the count is kept (blocks_held); the projection then joins the sum of peaks
     b.feedback = UsageFeedback(60, enabled=feedback)
-    for i in range(2):  # 160 prompt tokens and 160 output: 21 blocks at the peak, 10 held now
-        b.submitted(b.admit(Request(f"r{i}", "g", list(range(160)), 160, 0)))
-    return b, Request("r2", "g", list(range(160)), 160, 0)
+    for i in range(2):  # 160 prompt tokens and 161 output: 21 blocks at the peak, 10 held now
+        b.submitted(b.admit(Request(f"r{i}", "g", list(range(160)), 161, 0)))
+    return b, Request("r2", "g", list(range(160)), 161, 0)
 
 
 def test_a_count_above_vllms_usage_lets_in_a_request_the_count_kept_out():
