@@ -119,9 +119,6 @@ class EngineConfig(Strict):
     kv_pacing: bool = Field(default=True, description=(
         "where the KV cache binds and outputs are about as long, spread admissions out so that waves "
         "of requests do not finish (and peak) together"))
-    kv_lengths_from_last_run: bool = Field(default=True, description=(
-        "start admission from the output lengths the job's last run with the same calibration key saw "
-        "(model, schema, prompts, sampling, engine), so that a nightly run paces from its first step"))
     kv_usage_feedback: bool = Field(default=False, description=(
         "where the runner's count of KV blocks held runs above vLLM's reported usage, add the excess "
         "to the room (on an H200 it changed neither the requests in flight nor the steps: off)"))

@@ -99,7 +99,7 @@ def calibration_key(job, system_prompt_keys: Iterable[str], backend: str = "vllm
     # only speed vLLM's steps (outputs are the same): a stored choice stays good with them on or off.
     # The usage feedback counts like kv_pacing, but only when on: at its default (off) it leaves the
     # keys stored before it existed as they were.
-    engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process", "admission_waves", "kv_lengths_from_last_run",
+    engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process", "admission_waves",
                                                             "grammar_threads_from", "grammar_mask_pinned"})
     if not engine["kv_usage_feedback"]:
         del engine["kv_usage_feedback"]

@@ -253,25 +253,10 @@ def m014_set_aside(conn: Connection) -> None:
         conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN set_aside_at_utc TEXT")
 
 
-def m015_output_lengths(conn: Connection) -> None:
-    # The output lengths a run's admission planned with, per calibration key (what decides them:
-    # model, schema, prompts, sampling, engine): the next run of the job starts from them instead of
-    # admitting its first rows by their peaks (engine.kv_lengths_from_last_run).
-    conn.exec_driver_sql("""
-        CREATE TABLE output_lengths (
-            key_sha256 TEXT PRIMARY KEY,
-            job_name TEXT NOT NULL,
-            run_id INTEGER,
-            completion_tokens_json TEXT NOT NULL,  -- up to 512 recent lengths, in tokens
-            created_at_utc TEXT NOT NULL
-        )""")
-
-
 MIGRATIONS = [m001_initial, m002_engine_choice, m003_run_samples, m004_calibrations, m005_fingerprints,
               m006_verifications_and_drafts, m007_output_token_ids, m008_rejected_rows,
               m009_verification_discordant_rows, m010_history_by_run, m011_samples_failed_rows,
-              m012_document_tokens_cut, m013_verification_settings, m014_set_aside,
-              m015_output_lengths]
+              m012_document_tokens_cut, m013_verification_settings, m014_set_aside]
 
 
 def utc_now() -> str:

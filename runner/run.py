@@ -182,8 +182,6 @@ def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Stor
         ctx = CalibrationContext(store, key, work.todo, run_id, force=opts.recalibrate, verify_gate=opts.verify_gate)
         engines = EngineSequence(engine_factory, clock=opts.clock, let_go_last=opts.exits_after,
                                  on_start=lambda info: store.set_engine(run_id, info.backend, info.version, info.settings))
-        if job.engine.kv_lengths_from_last_run:
-            engines.seed_lengths = store.stored_output_lengths(ctx.key_sha256)
         return _execute(job, store, run_id, engines, builder, work, opts, ctx, partial)
     except BaseException as exc:
         status = "interrupted" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else "failed"
@@ -238,9 +236,6 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
                 ahead.close()
             collector.flush()  # rows that finished before a failure or a signal are kept
             engines.stop(completed)
-            if engines.lengths_seen:  # a stopped run's too: what it saw is still the job's best guess
-                with contextlib.nullcontext() if completed else contextlib.suppress(Exception):
-                    store.save_output_lengths(ctx.key_sha256, job.name, run_id, engines.lengths_seen)
         finally:  # also where storing failed (a full disk): the Error: line then starts a line of its own
             if progress is not None and hasattr(progress, "close"):
                 progress.close()

@@ -33,7 +33,7 @@ _UPSERT_RESULTS = (f"INSERT INTO results ({', '.join(RESULT_COLUMNS)}) VALUES ({
                    + ", set_aside_at_utc = NULL")  # run again after --restart: done
 
 _TABLES = ("runs", "results", "run_stats", "run_samples", "calibrations", "fingerprints", "results_history",
-           "verifications", "drafts", "output_lengths")
+           "verifications", "drafts")
 
 
 class Store(SpeculationRecords, HistoryRecords, InputRecords):
@@ -79,7 +79,6 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
         self.history = meta.tables["results_history"]
         self.verifications = meta.tables["verifications"]
         self.drafts = meta.tables["drafts"]
-        self.output_lengths = meta.tables["output_lengths"]
 
     @classmethod
     def for_reading(cls, path: Path | str) -> "Store":

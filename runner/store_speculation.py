@@ -1,13 +1,11 @@
 """What the speculative-decoding commands store: calibrations (`speculative: auto`),
-verifications (`runner verify`) and drafts (`runner distill`); and, under the same calibration key,
-the output lengths a run's admission planned with. A part of Store."""
+verifications (`runner verify`) and drafts (`runner distill`). A part of Store."""
 from __future__ import annotations
 
 import json
 from typing import Optional
 
 from sqlalchemy import select
-from sqlalchemy.dialects.sqlite import insert
 
 from runner.migrations import utc_now
 
@@ -34,21 +32,6 @@ class SpeculationRecords:
                       record_json=json.dumps(record, sort_keys=True, default=str), created_at_utc=utc_now())
         with self._tx() as conn:
             return conn.execute(self.calibrations.insert().values(**values)).inserted_primary_key[0]
-
-    # -- output lengths (admission's, under the calibration key) ------------------------------
-    def stored_output_lengths(self, key_sha256: str) -> list[int]:
-        """The output lengths the last run under this key planned with ([]: none stored)."""
-        q = select(self.output_lengths.c.completion_tokens_json).where(self.output_lengths.c.key_sha256 == key_sha256)
-        with self.engine.connect() as conn:
-            found = conn.execute(q).scalar()
-        return [int(n) for n in json.loads(found)] if found else []
-
-    def save_output_lengths(self, key_sha256: str, job_name: str, run_id: Optional[int], lengths: list[int]) -> None:
-        values = dict(key_sha256=key_sha256, job_name=job_name, run_id=run_id,
-                      completion_tokens_json=json.dumps([int(n) for n in lengths]), created_at_utc=utc_now())
-        with self._tx() as conn:
-            conn.execute(insert(self.output_lengths).values(**values).on_conflict_do_update(
-                index_elements=["key_sha256"], set_=values))
 
     # -- verifications and drafts -------------------------------------------------------------
     def save_verification(self, *, key_sha256: str, setting: dict, job_name: str, rows: int, agreement: float,

@@ -541,3 +541,14 @@ def test_describe_reports_the_spread_of_finished_outputs():
         b.submitted(t)
         b.release(t, n)
     assert b.describe()["output_tokens_p10_p50_p90"] == [10, 50, 90]
+
+
+def test_the_projection_counts_whole_blocks_as_vllm_allocates_them():
+    """Three requests of 160 prompt and 160 output tokens hold 20 blocks each at their ends (the
+    last token made has no KV): all three fit 60 blocks. Counted as tokens / block + 1, the third
+    was refused (63 projected); with 59 blocks it still is."""
+    for total, third in ((60, True), (59, False)):
+        b = KvBudget(total_blocks=total, block_tokens=16)
+        for i in range(2):
+            b.submitted(b.admit(req(prompt=160, max_tokens=160)))
+        assert b.can_admit(req(prompt=160, max_tokens=160)) is third

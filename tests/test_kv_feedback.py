@@ -72,14 +72,14 @@ def budget_with_two_sent(feedback: bool) -> tuple[KvBudget, Request]:
     b = KvBudget(total_blocks=60, block_tokens=16, project=False)
     b.project = True  # the count is kept (blocks_held); the projection then joins the sum of peaks
     b.feedback = UsageFeedback(60, enabled=feedback)
-    for i in range(2):  # 160 prompt tokens and 161 output: 21 blocks at the peak, 10 held now
+    for i in range(2):  # 160 prompt tokens and 161 output: 22 blocks at the peak by the sum, 10 held now
         b.submitted(b.admit(Request(f"r{i}", "g", list(range(160)), 161, 0)))
     return b, Request("r2", "g", list(range(160)), 161, 0)
 
 
 def test_a_count_above_vllms_usage_lets_in_a_request_the_count_kept_out():
     """Two requests count 20 blocks held now while vLLM reports 5: the excess (15) goes to the room,
-    and a third request that did not fit by the sum of peaks (63 of 60 blocks) now does; with the
+    and a third request that did not fit (66 of 60 blocks by the sum of peaks, 63 projected) now does; with the
     feedback off it does not."""
     for feedback, admitted in ((True, True), (False, False)):
         b, third = budget_with_two_sent(feedback)

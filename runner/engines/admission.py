@@ -9,9 +9,8 @@ Two tests, cheap first: the sum of every request's peak fits (always, with a roo
 projected peak fits (vLLM's own usage corrects the count where it runs high: kv_feedback.py).
 Requests admitted earlier finish earlier: the projection walks forward one output token a step
 (speculation turns it off), each request's length drawn from the recent finished outputs given how
-far it ran, counted in whole blocks as vLLM allocates them; the expected blocks plus two standard
-deviations of their sum must fit (a 90th
-percentile per request made every one plan for max_tokens where a few rows loop:
+far it ran, in whole blocks as vLLM allocates them; the expected blocks plus two standard deviations
+of their sum must fit (a 90th percentile per request made every one plan for max_tokens where a few rows loop:
 bench/results/2026-11-30-cpu-2core-admission-sim-sum.json). Rows of one group run about as long as
 each other: their deviations correlate at 0.1 (fully: 10-18% more steps in the simulator where
 lengths were independent; 0.1 cost ~1% there and cut preemptions by 40-60% where whole groups ran
@@ -216,10 +215,8 @@ class KvBudget:
         stride = max(1, min(horizon // GRID_POINTS, self.block_tokens))
         xs = np.arange(0, horizon, stride)
         alive = self.lengths.survival(age, cap, xs)  # [request, x]: P(still running x steps ahead)
-        # A request grows within a stride: its blocks at the stride's last step, with the slot of
-        # the token that step writes. Counted as whole blocks, not tokens / block + 1 (a block more
-        # than vLLM holds half the time: on the simulated 8B shape, 125 requests at 95.6% of the
-        # cache against 128 at 97.8%). Rows admitted together with prompts as long round alike.
+        # Its whole blocks at the stride's last step, the slot that step writes included (tokens /
+        # block + 1 counted a block too many half the time: the simulated 8B took 1.8% more steps).
         blocks = np.ceil((np.array(tokens)[:, None] + xs[None, :] + stride) / self.block_tokens)
         mean = (alive * blocks).sum(axis=0)
         dev = np.sqrt(alive * (1 - alive)) * blocks
@@ -300,4 +297,4 @@ class KvBudget:
                 "output_tokens_p10_p50_p90": list(spread[:3]) if spread else None,
                 "preemptions_seen": self.preemptions_seen, "admissions_deferred": self.deferred,
                 "admitted_by_projection": self.admitted_over_peaks, "pace_waits": self.pace_waits,
-                "max_admitted": self.max_admitted, "output_lengths_seeded": self.lengths.seeded} | self.feedback.describe()
+                "max_admitted": self.max_admitted} | self.feedback.describe()

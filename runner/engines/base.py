@@ -138,14 +138,6 @@ class Engine(ABC):
         """What the engine adapted while running, stored with the run's stats."""
         return {}
 
-    def output_lengths(self) -> list[int]:
-        """Recent finished output lengths its admission planned with (default: none kept)."""
-        return []
-
-    def seed_output_lengths(self, lengths: list[int]) -> None:
-        """Plan admission with the lengths an earlier run of the job saw until this run's own come
-        (default: an engine without admission ignores them)."""
-
     def close(self) -> None:
         """Release the engine (default: nothing to release)."""
 

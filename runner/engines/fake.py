@@ -68,8 +68,6 @@ class FakeEngine(Engine):
         self.seen: list[Request] = []
         self.batch: Optional[int] = None
         self.warmed: list[str] = []
-        self.lengths: list[int] = []  # completion tokens of the rows it answered, as admission keeps them
-        self.seeded: list[int] = []  # lengths the run handed it from an earlier run
         self.info = EngineInfo(backend="fake", version="0", settings={"delay_s": delay_s})
 
     def _cached(self, req: Request) -> int:
@@ -108,7 +106,6 @@ class FakeEngine(Engine):
             time.sleep(self.delay_s)
         text = self.respond(req)
         tokens = max(1, len(text) // 4)
-        self.lengths.append(tokens)
         cached = self._cached(req)
         t = self._totals
         t.prompt_tokens += len(req.prompt_token_ids)
@@ -121,15 +118,6 @@ class FakeEngine(Engine):
 
     def counters(self) -> EngineCounters:
         return self._totals + EngineCounters()
-
-    def output_lengths(self) -> list[int]:
-        return self.lengths[-512:]
-
-    def seed_output_lengths(self, lengths: list[int]) -> None:
-        self.seeded = list(lengths)
-
-    def adaptation(self) -> dict:
-        return {"output_lengths_seeded": len(self.seeded)}
 
     def close(self) -> None:
         if self.close_s:

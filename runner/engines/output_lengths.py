@@ -28,7 +28,6 @@ class OutputLengths:
         self.min_samples = min_samples  # lengths counted before any is trusted
         self.count = 0  # lengths counted in all
         self.total = 0  # ... and their sum
-        self.seeded = 0  # lengths an earlier run left (seed): known before any row of this run is done
         self._recent: list[int] = []
         self._spread: Optional[Spread] = None  # of _recent, sorted once per change
         self._longer: Optional[np.ndarray] = None  # of _recent, for survival()
@@ -50,21 +49,9 @@ class OutputLengths:
                 if len(self._recent) > WINDOW:
                     del self._recent[:WINDOW // 2]
 
-    def seed(self, lengths: list[int]) -> None:
-        """Start from the lengths an earlier run of the same job saw (same model, schema, prompts and
-        sampling): a nightly run paces from its first step instead of admitting its first rows by
-        their peaks. This run's own lengths replace them as they come (the window drops its older half)."""
-        self._recent = [int(n) for n in lengths[-WINDOW:]]
-        self.seeded = len(self._recent)
-        self._spread = self._longer = None
-
-    def recent(self) -> list[int]:
-        """The lengths the percentiles are taken from (this run's own, or seeded ones not yet replaced)."""
-        return list(self._recent)
-
     def known(self) -> bool:
-        """Enough lengths counted (or seeded) to plan with them."""
-        return self.count + self.seeded >= self.min_samples
+        """Enough lengths counted to plan with them."""
+        return self.count >= self.min_samples
 
     def spread(self) -> Optional[Spread]:
         """Percentiles and mean of the recent lengths (None: none counted yet), sorted once per

@@ -50,8 +50,6 @@ class EngineSequence:
         self.used = EngineCounters()
         self.adaptations: list[dict] = []
         self._before = EngineCounters()
-        self.seed_lengths: list[int] = []  # output lengths an earlier run saw: every engine plans with them
-        self.lengths_seen: list[int] = []  # ... and those the last engine that finished rows planned with
 
     def start(self, job) -> Engine:
         self.stop()
@@ -62,8 +60,6 @@ class EngineSequence:
         self.starts.append(self.clock() - t0)
         self.load_s += self.starts[-1]
         self._before = self.engine.counters()
-        if self.seed_lengths:
-            self.engine.seed_output_lengths(self.seed_lengths)
         if self.on_start is not None:  # the last engine started runs the main pass: its settings are the run's
             self.on_start(self.engine.info)
         return self.engine
@@ -101,7 +97,6 @@ class EngineSequence:
             engine, self.engine = self.engine, None
             try:
                 self.used = self.used + (engine.counters() - self._before)
-                self.lengths_seen = engine.output_lengths() or self.lengths_seen
                 self.adaptations.append({"settings": engine.info.settings, **engine.adaptation()})
             finally:
                 engine.let_go() if completed and self.let_go_last else engine.close()
