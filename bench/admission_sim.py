@@ -116,7 +116,7 @@ class RunnerSide:
         self.feed.stepped()
         if seconds >= self.next_usage_s and self.feed.in_flight and budget.total_blocks:
             self.next_usage_s = seconds + 1.0
-            budget.observe_usage(eng.used() / (budget.total_blocks - 1), len(eng.waiting))
+            budget.observe_usage(eng.used() / budget.total_blocks, len(eng.waiting))
 
 
 def step_seconds(shape: dict, eng: Vllm, done: list, prefill: int, ctx: int, jitter: random.Random) -> float:

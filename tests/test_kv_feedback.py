@@ -7,7 +7,7 @@ from runner.engines.kv_feedback import MAX_SHARE, MIN_SAMPLES, UsageFeedback
 
 
 def usage_for(blocks: float, total: int) -> float:
-    return blocks / (total - 1)  # vLLM's usage leaves out its null block
+    return blocks / total  # of the blocks vLLM can allocate (its pool less its null block), as the budget counts
 
 
 def test_the_smallest_recent_excess_becomes_the_correction():

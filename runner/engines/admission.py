@@ -62,7 +62,7 @@ class KvBudget:
     def __init__(self, total_blocks: Optional[int], block_tokens: int, min_output_samples: int = 16,
                  max_running: Optional[int] = None, project: bool = True, pace: bool = True,
                  shared_prefixes: bool = True, usage_feedback: bool = False):
-        self.total_blocks = total_blocks
+        self.total_blocks = total_blocks  # blocks vLLM can allocate: its pool less its null block
         # vLLM's own usage checks the count (kv_feedback.py); the count is kept only with the projection
         self.feedback = UsageFeedback(total_blocks or 0, usage_feedback and project and total_blocks is not None)
         self.block_tokens = block_tokens

@@ -35,8 +35,8 @@ class UsageFeedback:
 
     def observe(self, counted_blocks: int, usage: float) -> None:
         """One sample: the budget's count now, and vLLM's usage (0-1) at the same step."""
-        # vLLM's usage leaves out its null block: 1 - free / (blocks - 1)
-        gap = counted_blocks - usage * (self.total_blocks - 1)
+        # vLLM's usage is 1 - free / (blocks - its null block): the blocks the budget counts
+        gap = counted_blocks - usage * self.total_blocks
         self.samples += 1
         self._gap_sum += gap
         if not self.enabled:
