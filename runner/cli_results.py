@@ -153,7 +153,7 @@ def _file_path(output: str) -> Path:
 
 
 def _write_text(path: Path, text: str, reading: Path, keep) -> None:
-    from runner.export import write_whole
+    from runner.whole_file import write_whole
 
     write_whole(path, lambda part: part.write_text(text, encoding="utf-8"), reading=reading, keep=keep)
 

@@ -130,7 +130,7 @@ class LocalReader(Reader):
                 self._check_columns(file, set(data.schema.names), partition)
                 return data.to_batches(columns=present, batch_size=self.spec.batch_rows)
 
-            if os.path.getsize(file) == 0:  # no header, no rows: an empty file, as an empty JSON Lines file is
+            if _blank(file):  # no header, no rows: an empty file, as an empty JSON Lines file is
                 return
             yield from Resumable().batches(read, self.spec.batch_rows)
             if self._scanning:  # read to its end (a limit reached stops before): checked once, by the scan
@@ -246,3 +246,18 @@ def make_reader(job) -> Reader:
     if job.spec.executor == "ray":
         return RayDataReader(job.input_path, job.spec.input, job)
     return LocalReader(job.input_path, job.spec.input)
+
+
+def _blank(file: str) -> bool:
+    """An input file with no header and no rows: 0 bytes, or nothing but a byte-order mark and line
+    ends, compressed or not (what a tool writes when its export found nothing)."""
+    if os.path.getsize(file) == 0:
+        return True
+    import pyarrow as pa
+
+    try:
+        with pa.input_stream(file, compression="detect") as stream:
+            head = stream.read(4097)
+    except Exception:  # not readable as its name says: the CSV reader names the problem
+        return False
+    return len(head) <= 4096 and not head.removeprefix(b"\xef\xbb\xbf").strip()

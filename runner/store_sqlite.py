@@ -87,9 +87,29 @@ def refuse_foreign(path: Path) -> None:
 
 def _foreign_tables(path: Path) -> list[str]:
     """[] for a runner's database, no file, an empty one, or one SQLite cannot read (opening it
-    names that)."""
+    names that). A table `runs` of another program's (without the runner's columns) is foreign too:
+    it was taken for a runner's file half-made by an interrupted first run."""
     names = table_names(path)
-    return [] if not names or names & {"_migrations", "runs"} else sorted(names)
+    if not names or "_migrations" in names:
+        return []
+    if "runs" in names and _RUNS_COLUMNS <= (table_columns(path, "runs") or set()):
+        return []
+    return sorted(names)
+
+
+_RUNS_COLUMNS = {"job_name", "job_path", "config_json", "runner_version"}  # the runner's table runs has these
+
+
+def table_columns(path: Path, table: str) -> Optional[set[str]]:
+    """The columns of a table of the SQLite file at path, read without writing to it (None: unreadable)."""
+    try:
+        con = sqlite3.connect(read_uri(path), uri=True)
+        try:
+            return {r[1] for r in con.execute(f"PRAGMA table_info({table})")}
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return None
 
 
 def read_uri(path: Path) -> str:

@@ -99,7 +99,9 @@ def test_run_with_fake_engine_then_stats(invoke, make_job, tmp_path):
     out = invoke("stats", "--job", job, "--last", "2", "--with-idle")
     assert out.output.count("completed") == 2 and out.output.startswith("run 2 ")
     out = invoke("stats", "1", "--db", tmp_path / "out" / "results.sqlite")
-    assert out.output.startswith("run 1  t  completed")
+    assert out.output.startswith("run 1  t  completed") and "(plan bound " in out.output
+    idle = invoke("stats", "2", "--db", tmp_path / "out" / "results.sqlite")  # generated nothing: no bound of 0.0%
+    assert idle.exit_code == 0 and "prefix-cache hit rate" in idle.output and "plan bound" not in idle.output
     other = tmp_path / "other.sqlite"
     shutil.copy(tmp_path / "out" / "results.sqlite", other)
     for command in (["stats"], ["report", "1"], ["export", "--format", "csv"]):  # which one would it read?

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import sqlite3
 import subprocess
@@ -100,11 +101,21 @@ def test_processes_creating_one_database_at_once_all_succeed(tmp_path):
 def test_a_file_left_half_made_by_an_older_runner_is_named_not_a_traceback(tmp_path):
     db = tmp_path / "old.sqlite"
     con = sqlite3.connect(db)
-    con.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY)")  # the old bug: tables, no migration rows
+    con.execute(migrations._M001_RUNS)  # the old bug: the runner's tables, no migration rows
     con.commit()
     con.close()
     with pytest.raises(StoreError, match=r"old\.sqlite: tables exist but no migration was recorded"):
         Store(db)
+    # another program's table named runs is another program's file (it was called half-made)
+    other = tmp_path / "other.sqlite"
+    con = sqlite3.connect(other)
+    con.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY, name TEXT)")
+    con.commit()
+    con.close()
+    before = other.read_bytes()
+    with pytest.raises(StoreError, match=r"other\.sqlite: not a results database of the runner \(it holds other tables: runs\)"):
+        Store(other)
+    assert other.read_bytes() == before  # not switched to WAL, nothing added
 
 
 @pytest.fixture
@@ -474,7 +485,7 @@ def test_a_read_without_locks_that_a_run_wrote_under_says_so_not_damaged(make_jo
 
 def test_an_export_whose_read_a_run_wrote_under_leaves_the_old_file(tmp_path):
     from runner.errors import ChangedWhileRead
-    from runner.export import write_whole
+    from runner.whole_file import write_whole
 
     out = tmp_path / "x.csv"
     out.write_text("yesterday\n")
@@ -485,6 +496,23 @@ def test_an_export_whose_read_a_run_wrote_under_leaves_the_old_file(tmp_path):
     with pytest.raises(ChangedWhileRead):
         write_whole(out, lambda part: part.write_text("mixed\n"), check=changed)
     assert out.read_text() == "yesterday\n" and sorted(p.name for p in tmp_path.iterdir()) == ["x.csv"]
+
+
+def test_a_part_a_killed_writer_left_goes_with_the_next_write_and_a_live_writers_stays(tmp_path):
+    """SIGKILL runs no cleanup: an export killed midway left its hidden part beside the file for good."""
+    import subprocess
+    import sys
+
+    from runner.whole_file import write_whole
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, live = int(gone.stdout), os.getppid()  # a process that has ended, and one that runs
+    (tmp_path / f".x.csv.{dead}.part").write_text("half an export\n")
+    (tmp_path / f".x.csv.{live}.part").write_text("being written\n")
+    (tmp_path / ".y.csv.1.part").write_text("another file's\n")
+    write_whole(tmp_path / "x.csv", lambda part: part.write_text("today\n"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".x.csv.{live}.part", ".y.csv.1.part", "x.csv"]
+    assert (tmp_path / "x.csv").read_text() == "today\n"
 
 
 @pytest.mark.parametrize("args", [["stats"], ["stats", "--json"], ["status"], ["report", "1", "-o", "r.html"],
