@@ -232,6 +232,9 @@ class RayDataReader(Reader):
         if formats == {"parquet"}:
             ds = self.ray.data.read_parquet(files, columns=columns)
         elif formats == {"csv"}:
+            files = [f for f in files if not _blank(f)]  # no header, no rows: as the local reader skips them
+            if not files:
+                return iter(())
             ds = self.ray.data.read_csv(files, **csv_options(self.spec)).select_columns(columns)
         else:
             raise InputError(f"{self.input_path}: the ray executor reads one of Parquet, JSON Lines or CSV at a time "
@@ -249,8 +252,8 @@ def make_reader(job) -> Reader:
 
 
 def _blank(file: str) -> bool:
-    """An input file with no header and no rows: 0 bytes, or nothing but a byte-order mark and line
-    ends, compressed or not (what a tool writes when its export found nothing)."""
+    """An input file with no header and no rows: 0 bytes, or nothing but a byte-order mark and a few
+    line ends (up to 4 KiB), compressed or not (what a tool writes when its export found nothing)."""
     if os.path.getsize(file) == 0:
         return True
     import pyarrow as pa
@@ -260,4 +263,4 @@ def _blank(file: str) -> bool:
             head = stream.read(4097)
     except Exception:  # not readable as its name says: the CSV reader names the problem
         return False
-    return len(head) <= 4096 and not head.removeprefix(b"\xef\xbb\xbf").strip()
+    return len(head) <= 4096 and not head.removeprefix(b"\xef\xbb\xbf").strip(b"\r\n")

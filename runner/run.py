@@ -247,7 +247,8 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
             with contextlib.suppress(Exception):
                 partial["stats"] = _stats(collector, engines, work, opts, partial.get("choice"), timing,
                                           plan_share=None, redone=store.rows_replaced_by(run_id))
-    stats = _stats(collector, engines, work, opts, choice, timing, collector.rb.plan().prefix_share, work.redone)
+    plan_share = collector.rb.plan().prefix_share if work.todo else None  # an idle run planned nothing
+    stats = _stats(collector, engines, work, opts, choice, timing, plan_share, work.redone)
     store.finish_run(run_id, "completed", stats=stats)
     return RunSummary(run_id, str(job.database_path), 0, 0, dict(collector.counts), stats.as_dict(),
                       rows_documents_cut=collector.documents_cut)

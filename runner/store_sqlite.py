@@ -92,8 +92,10 @@ def _foreign_tables(path: Path) -> list[str]:
     names = table_names(path)
     if not names or "_migrations" in names:
         return []
-    if "runs" in names and _RUNS_COLUMNS <= (table_columns(path, "runs") or set()):
-        return []
+    if "runs" in names:
+        columns = table_columns(path, "runs")
+        if columns is None or _RUNS_COLUMNS <= columns:  # unreadable: opening it names why
+            return []
     return sorted(names)
 
 

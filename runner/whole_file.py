@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import stat
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -89,15 +91,23 @@ def _beside_database(target: Path, db: Path) -> bool:
 
 def _stale_parts(target: Path) -> None:
     """Parts an earlier writer of this file left when it was killed (SIGKILL runs no cleanup), named
-    by their pids: removed once no such process runs. A live writer's part is its own."""
+    by their pids: removed once no such process runs here and the part has not changed for
+    STALE_PART_S (a writer on another host sharing the folder has pids of its own). A live writer's
+    part is its own. Best effort: nothing here stops the write."""
     for part in target.parent.glob(f".{glob.escape(target.name)}.*.part"):
         pid = part.name[len(target.name) + 2:-len(".part")]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
+        if not re.fullmatch(r"[1-9][0-9]{0,9}", pid) or int(pid) == os.getpid():
+            continue  # not a part this module names
         try:
             os.kill(int(pid), 0)
+            continue  # running (ours to leave alone)
         except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                part.unlink()
-        except OSError:  # another user's process: running
             pass
+        except (OSError, OverflowError):  # another user's process: running; a pid out of range: not ours
+            continue
+        with contextlib.suppress(OSError):
+            if time.time() - part.stat().st_mtime > STALE_PART_S:
+                part.unlink()
+
+
+STALE_PART_S = 600

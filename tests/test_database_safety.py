@@ -507,12 +507,20 @@ def test_a_part_a_killed_writer_left_goes_with_the_next_write_and_a_live_writers
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, live = int(gone.stdout), os.getppid()  # a process that has ended, and one that runs
-    (tmp_path / f".x.csv.{dead}.part").write_text("half an export\n")
-    (tmp_path / f".x.csv.{live}.part").write_text("being written\n")
-    (tmp_path / ".y.csv.1.part").write_text("another file's\n")
+    old = time.time() - 3600
+    for name, text in ((f".x.csv.{dead}.part", "half an export\n"), (f".x.csv.{live}.part", "being written\n"),
+                       (".y.csv.1.part", "another file's\n"), (".x.csv.99999999999999999999.part", "not a pid\n"),
+                       (".x.csv.\u00b2.part", "not a pid\n")):
+        (tmp_path / name).write_text(text)
+        os.utime(tmp_path / name, (old, old))
     write_whole(tmp_path / "x.csv", lambda part: part.write_text("today\n"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f".x.csv.{live}.part", ".y.csv.1.part", "x.csv"]
-    assert (tmp_path / "x.csv").read_text() == "today\n"
+    left = {p.name for p in tmp_path.iterdir()}
+    assert f".x.csv.{dead}.part" not in left and {f".x.csv.{live}.part", ".y.csv.1.part", "x.csv"} <= left
+    assert len(left) == 5 and (tmp_path / "x.csv").read_text() == "today\n"
+    # a dead pid's part that changed lately may be a writer's on another host sharing the folder: kept
+    (tmp_path / f".x.csv.{dead}.part").write_text("another host's\n")
+    write_whole(tmp_path / "x.csv", lambda part: part.write_text("again\n"))
+    assert (tmp_path / f".x.csv.{dead}.part").exists()
 
 
 @pytest.mark.parametrize("args", [["stats"], ["stats", "--json"], ["status"], ["report", "1", "-o", "r.html"],
