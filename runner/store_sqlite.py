@@ -104,10 +104,16 @@ _RUNS_COLUMNS = {"job_name", "job_path", "config_json", "runner_version"}  # the
 
 def table_columns(path: Path, table: str) -> Optional[set[str]]:
     """The columns of a table of the SQLite file at path, read without writing to it (None: unreadable)."""
+    rows = _read_without_writing(path, f"PRAGMA table_info({table})")
+    return None if rows is None else {r[1] for r in rows}
+
+
+def _read_without_writing(path: Path, sql: str) -> Optional[list[tuple]]:
+    """The rows of one query on the SQLite file at path, through read_uri (None: SQLite cannot read it)."""
     try:
         con = sqlite3.connect(read_uri(path), uri=True)
         try:
-            return {r[1] for r in con.execute(f"PRAGMA table_info({table})")}
+            return con.execute(sql).fetchall()
         finally:
             con.close()
     except sqlite3.Error:
@@ -138,14 +144,8 @@ def table_names(path: Path) -> Optional[set[str]]:
     file, an empty one, or one SQLite cannot read."""
     if not path.is_file() or path.stat().st_size == 0:
         return None
-    try:
-        con = sqlite3.connect(read_uri(path), uri=True)
-        try:
-            return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        finally:
-            con.close()
-    except sqlite3.Error:
-        return None
+    rows = _read_without_writing(path, "SELECT name FROM sqlite_master WHERE type = 'table'")
+    return None if rows is None else {r[0] for r in rows}
 
 
 class InputCounts(NamedTuple):

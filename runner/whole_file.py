@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from runner.errors import OutputFileError
+from runner.lock import process_alive
 
 
 def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Path] = None,
@@ -98,12 +99,7 @@ def _stale_parts(target: Path) -> None:
         pid = part.name[len(target.name) + 2:-len(".part")]
         if not re.fullmatch(r"[1-9][0-9]{0,9}", pid) or int(pid) == os.getpid():
             continue  # not a part this module names
-        try:
-            os.kill(int(pid), 0)
-            continue  # running (ours to leave alone)
-        except ProcessLookupError:
-            pass
-        except (OSError, OverflowError):  # another user's process: running; a pid out of range: not ours
+        if process_alive(int(pid)):  # its writer's (another user's too; a pid out of range counts so)
             continue
         with contextlib.suppress(OSError):
             if time.time() - part.stat().st_mtime > STALE_PART_S:

@@ -69,7 +69,8 @@ class VllmEngine(Engine):
         self.kv_blocks, self.kv_block_tokens = cache.num_gpu_blocks, cache.block_size
         # vLLM never allocates its null block: counted as room, it let a cache admission had filled
         # to the last block preempt (CPU: 1-3 preemptions a run, 0-1 without it)
-        self.budget = KvBudget(self.kv_blocks - 1 if cfg.kv_admission else None, self.kv_block_tokens,
+        self.kv_usable_blocks = self.kv_blocks - 1
+        self.budget = KvBudget(self.kv_usable_blocks if cfg.kv_admission else None, self.kv_block_tokens,
                                max_running=cfg.max_num_seqs,
                                project=cfg.kv_projection and not isinstance(cfg.speculative, SpeculativeSpec),
                                pace=cfg.kv_pacing, shared_prefixes=cfg.enable_prefix_caching,
@@ -271,7 +272,7 @@ class VllmEngine(Engine):
     def expected_batch(self, req: Request) -> int:
         """How many requests like `req` this engine would run at once: max_num_seqs, or fewer
         when the KV cache holds fewer (with or without KV admission)."""
-        fit = KvBudget(self.kv_blocks - 1, self.kv_block_tokens,
+        fit = KvBudget(self.kv_usable_blocks, self.kv_block_tokens,
                        shared_prefixes=self.cfg.enable_prefix_caching).capacity(req)
         return min(self.cfg.max_num_seqs, fit or self.cfg.max_num_seqs)
 
