@@ -77,6 +77,8 @@ class RunnerSide:
                           project="peaks" not in opts, pace="nopace" not in opts, usage_feedback="feedback" in opts)
         self.feed = Feed(budget, 4 * max_num_seqs, max(32, max_num_seqs // 4), "nowarm" not in opts,
                          clock=clock, waves="nowave" not in opts)
+        if "seeded" in opts:  # a run reusing a stored calibration: its slice's lengths (another draw)
+            budget.lengths.seed(random.Random(99).sample([r.out_len for r in reqs], min(64, len(reqs))))
         if "paceearly" in opts:  # a variant tried, not shipped: pace before any length is known, as
             # if every row ran to max_tokens (one length for all), instead of admitting by peaks then
             budget.uniform_outputs = lambda: not budget.lengths.known() or KvBudget.uniform_outputs(budget)
@@ -146,7 +148,8 @@ def run(policy: str, reqs: list[SimReq], shape: dict, max_num_seqs: int = 256,
     blocks), shortNN (the runner counts NN fewer shared tokens a row than vLLM caches: a count above
     vLLM's own usage), noshared (requests do not carry their group's head: the runner before commit
     'shared_tokens' counted the head twice while a group's first row ran), paceearly (the pace
-    before any output length is known, every row taken to run to max_tokens).
+    before any output length is known, every row taken to run to max_tokens), seeded (the budget
+    starts from 64 of the workload's own lengths: a stored calibration slice's, kv_lengths_from_calibration).
     windows: step bounds at which to split the run's means of requests running and KV usage.
     shape["mixed"]: seconds a step that prefills costs beyond one that only decodes (vLLM runs it
     piecewise, not as one CUDA graph); the runner's Cadence fits it from the simulated clock.

@@ -56,6 +56,8 @@ def runner_variant(name: str) -> tuple[dict, dict]:
         "peaks_only": ({"speculative": None, "kv_projection": False}, {}),
         "no_pacing": ({"kv_pacing": False}, {}),
         "nowave": ({"admission_waves": False}, {}),
+        # admission without the output lengths of the stored calibration's slice (as before they were kept)
+        "noseed": ({"kv_lengths_from_calibration": False}, {}),
         "feedback": ({"kv_usage_feedback": True}, {}),
         "xgrammar": ({"structured_output_backend": "xgrammar"}, {}),
         # Token masks as vLLM ships them: filled one by one up to 128 requests a step, copied into

@@ -96,11 +96,13 @@ def calibration_key(job, system_prompt_keys: Iterable[str], backend: str = "vllm
     `backend`: the engine that runs it; another than vLLM (the fake engine of tests and `--engine
     fake`) keys its choices apart, so that they never pass for vLLM's in the job's database."""
     # Admission waves only pace when requests go in, and the token masks' threads and pinned memory
-    # only speed vLLM's steps (outputs are the same): a stored choice stays good with them on or off.
+    # only speed vLLM's steps (outputs are the same): a stored choice stays good with them on or off;
+    # so does one reused with or without its slice's output lengths (they only seed admission).
     # The usage feedback counts like kv_pacing, but only when on: at its default (off) it leaves the
     # keys stored before it existed as they were.
-    engine = job.engine.model_dump(mode="json", exclude={"speculative", "in_process", "admission_waves",
-                                                            "grammar_threads_from", "grammar_mask_pinned"})
+    engine = job.engine.model_dump(mode="json", exclude={
+        "speculative", "in_process", "admission_waves", "kv_lengths_from_calibration", "grammar_threads_from",
+        "grammar_mask_pinned"})
     if not engine["kv_usage_feedback"]:
         del engine["kv_usage_feedback"]
     # The CUDA graph sizes vLLM gets, only where it gets some: keys stored before the setting existed

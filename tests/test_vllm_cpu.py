@@ -264,6 +264,26 @@ def test_real_outputs_of_one_length_are_paced(make_job, tmp_path):
     assert kv["pace_waits"] > 0 and preemptions == 0 and kv["preemptions_seen"] == 0
 
 
+def test_real_stored_calibration_seeds_admission_with_its_slices_lengths(make_job, tmp_path):
+    """The calibration's 16-row slice stores its output lengths (every one 6 tokens); the next run
+    reuses the choice and starts its admission from them: every row stored, nothing preempted."""
+    engine = {"num_gpu_blocks_override": 40, "max_num_seqs": 32, "speculative": "auto", "calibration": {"rows": 16}}
+    job = make_job(rows=64, engine=engine, job={"sampling": {"max_tokens": 6}})
+    result = run_cli("run", "--quiet", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    [record] = con.execute("SELECT record_json FROM calibrations").fetchone()
+    assert json.loads(record)["output_lengths"] == [6] * 16
+    result = run_cli("run", "--quiet", "--restart", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert con.execute("SELECT count(DISTINCT row_id) FROM results").fetchone()[0] == 64
+    preemptions, choice = con.execute("SELECT preemptions, engine_choice_json FROM run_stats ORDER BY run_id DESC").fetchone()
+    choice = json.loads(choice)
+    assert choice["speculative_calibration"]["output_lengths_seeded"] == 16 and len(choice["engines"]) == 1
+    kv = choice["engines"][0]
+    assert kv["output_lengths_seeded"] == 16 and kv["pace_waits"] > 0 and preemptions == 0
+
+
 def test_real_admission_waves_hold_and_every_row_is_stored_once(make_job, tmp_path):
     """A wave of 3 forced from the start (a CPU run is too short for the fit to decide one) under a
     cache that holds fewer requests than max_num_seqs: admissions wait for the wave, and every row

@@ -297,4 +297,5 @@ class KvBudget:
                 "output_tokens_p10_p50_p90": list(spread[:3]) if spread else None,
                 "preemptions_seen": self.preemptions_seen, "admissions_deferred": self.deferred,
                 "admitted_by_projection": self.admitted_over_peaks, "pace_waits": self.pace_waits,
-                "max_admitted": self.max_admitted} | self.feedback.describe()
+                "max_admitted": self.max_admitted,
+                "output_lengths_seeded": self.lengths.seeds_given} | self.feedback.describe()

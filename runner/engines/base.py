@@ -138,6 +138,15 @@ class Engine(ABC):
         """What the engine adapted while running, stored with the run's stats."""
         return {}
 
+    def output_lengths(self) -> list[int]:
+        """Output lengths of the rows it finished, as its admission planned with them (default: none
+        kept): a calibration slice's are stored for later runs to start from."""
+        return []
+
+    def seed_output_lengths(self, lengths: list[int]) -> None:
+        """Plan admission with these lengths (a stored calibration slice's) until enough of this
+        engine's own rows are done (default: an engine without admission ignores them)."""
+
     def close(self) -> None:
         """Release the engine (default: nothing to release)."""
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from runner.engines.base import Request
-from runner.engines.cost_rule import NONE_PASSED, stored_pace, without_drafts, worth_measuring
+from runner.engines.cost_rule import NONE_PASSED, stored_lengths, stored_pace, without_drafts, worth_measuring
 from runner.engines.sequence import Phase
 from runner.engines.speculation import (Candidate, binding_failure, candidate, choose, setting_key, speculative_config,
                                          with_speculative)
@@ -73,7 +73,7 @@ def calibrate(job: Job, engines, loop, source: Iterator[Request], ctx: Calibrati
         engines.start(with_speculative(first, speculative))
         reused = _reuse(job, engines, ctx, cached, pace, speculative)
         if isinstance(reused, dict):
-            return reused, source
+            return _seed_lengths(job, engines, cached, reused), source
         stale = reused
         if speculative is not None or first.engine.in_process:
             engines.start(with_speculative(job, None))
@@ -112,6 +112,18 @@ def _reuse(job: Job, engines, ctx: CalibrationContext, cached: dict, pace: Optio
             f"measuring can pay on this run's {ctx.rows_todo} rows")
 
 
+def _seed_lengths(job: Job, engines, cached: dict, record: dict) -> dict:
+    """Start the engine's admission from the output lengths of the stored calibration's slice, as
+    the run that measured it went on from them: paced from the first row where outputs are about as
+    long, instead of a first convoy admitted by peaks (kv_lengths_from_calibration)."""
+    sampling = job.spec.sampling
+    lengths = stored_lengths(cached, max(sampling.max_tokens, sampling.retry_max_tokens or 0))
+    if not (lengths and job.engine.kv_lengths_from_calibration):
+        return record
+    engines.engine.seed_output_lengths(lengths)
+    return record | {"output_lengths_seeded": len(lengths)}
+
+
 def _measure(job: Job, engines, loop, source: Iterator[Request], ctx: CalibrationContext
              ) -> tuple[dict, Iterator[Request], Optional[dict]]:
     """Measure with the plain engine started. Returns the record, the rest of the source and the
@@ -134,6 +146,9 @@ def _measure(job: Job, engines, loop, source: Iterator[Request], ctx: Calibratio
     engines.warmup(typical)
     plain = engines.run(loop, taken.slice(source, cal.rows), 0)
     base = {"expected_batch": batch, "phases": [plain.to_dict()]}
+    lengths = engines.engine.output_lengths()
+    if lengths:  # stored with the choice: a later run's admission starts from them (_seed_lengths)
+        base["output_lengths"] = lengths
     if taken.short:  # the whole job fit in the first slice: nothing is left to speculate on
         return base | {"chosen_draft_tokens": 0, "skipped": "the job ended within the first slice"}, source, None
     candidates, excluded = _candidates(job, ctx)

@@ -39,3 +39,16 @@ def stored_pace(cached: dict) -> Optional[float]:
     if record.get("decided_by") != "cost_rule":
         return None
     return record.get("cost_rule", {}).get("per_row_s")
+
+
+def stored_lengths(cached: dict, longest: int) -> list[int]:
+    """Output lengths the stored calibration's slice saw, to seed a later run's admission; [] where
+    it stored none (one made before they were kept) or any is not a whole number of tokens from 0 to
+    `longest` (the job's max_tokens or its retries'): then the run plans as without them."""
+    try:
+        lengths = json.loads(cached.get("record_json") or "{}").get("output_lengths")
+    except (ValueError, AttributeError):
+        return []
+    if not isinstance(lengths, list) or not all(type(n) is int and 0 <= n <= longest for n in lengths):
+        return []
+    return lengths

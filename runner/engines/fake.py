@@ -68,6 +68,8 @@ class FakeEngine(Engine):
         self.seen: list[Request] = []
         self.batch: Optional[int] = None
         self.warmed: list[str] = []
+        self.lengths: list[int] = []  # completion tokens of the rows it answered
+        self.seeded: list[int] = []  # lengths handed to it from a stored calibration
         self.info = EngineInfo(backend="fake", version="0", settings={"delay_s": delay_s})
 
     def _cached(self, req: Request) -> int:
@@ -106,6 +108,7 @@ class FakeEngine(Engine):
             time.sleep(self.delay_s)
         text = self.respond(req)
         tokens = max(1, len(text) // 4)
+        self.lengths.append(tokens)
         cached = self._cached(req)
         t = self._totals
         t.prompt_tokens += len(req.prompt_token_ids)
@@ -118,6 +121,12 @@ class FakeEngine(Engine):
 
     def counters(self) -> EngineCounters:
         return self._totals + EngineCounters()
+
+    def output_lengths(self) -> list[int]:
+        return self.lengths[-512:]
+
+    def seed_output_lengths(self, lengths: list[int]) -> None:
+        self.seeded = list(lengths)
 
     def close(self) -> None:
         if self.close_s:

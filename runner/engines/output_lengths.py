@@ -4,6 +4,11 @@ Short outputs finish first, so the lengths seen so far under-sample long ones. O
 fair sample: a length counts once every request admitted before it is done. The recent cohort
 (at most 512 lengths: they change from one group of rows to the next) gives the percentiles and
 the chance that a request still runs some steps from now.
+
+Before any of its own rows is done, a run may start from the lengths its stored calibration's slice
+saw (seed): the same model, schema, prompts and sampling. They stand in only until the run has
+counted enough lengths of its own, so that admission paces from the first row instead of admitting
+a convoy by peaks; then they are dropped.
 """
 from __future__ import annotations
 
@@ -29,8 +34,10 @@ class OutputLengths:
         self.count = 0  # lengths counted in all
         self.total = 0  # ... and their sum
         self._recent: list[int] = []
-        self._spread: Optional[Spread] = None  # of _recent, sorted once per change
-        self._longer: Optional[np.ndarray] = None  # of _recent, for survival()
+        self._seeds: list[int] = []  # an earlier run's lengths, until this run's own are enough
+        self.seeds_given = 0  # how many it was started with
+        self._spread: Optional[Spread] = None  # of the sample (seeds and recent), sorted once per change
+        self._longer: Optional[np.ndarray] = None  # of the sample, for survival()
         self._finished: dict[int, Optional[int]] = {}  # done, but an earlier ticket is still running
         self._cohort_end = 0  # every ticket below this one is done and counted
 
@@ -46,18 +53,40 @@ class OutputLengths:
                 self.count += 1
                 self._recent.append(n)
                 self._spread = self._longer = None
+                if self._seeds and self.count >= self.min_samples:
+                    self._seeds = []  # this run's own lengths are enough: the earlier run's go
                 if len(self._recent) > WINDOW:
                     del self._recent[:WINDOW // 2]
 
+    def seed(self, lengths: list[int]) -> None:
+        """Plan with an earlier run's lengths until this run has counted min_samples of its own."""
+        self._seeds = [int(n) for n in lengths[-WINDOW:]]
+        self.seeds_given = len(self._seeds)
+        self._spread = self._longer = None
+
+    @property
+    def seeded(self) -> int:
+        """Lengths from an earlier run planned with now (0 once this run's own are enough)."""
+        return len(self._seeds)
+
+    def recent(self) -> list[int]:
+        """This run's own recent lengths (seeds left out)."""
+        return list(self._recent)
+
+    def _sample(self) -> list[int]:
+        """The lengths planned with: the seeds while they stand in, and this run's own."""
+        return self._seeds + self._recent if self._seeds else self._recent
+
     def known(self) -> bool:
-        """Enough lengths counted to plan with them."""
-        return self.count >= self.min_samples
+        """Enough lengths counted (or seeded) to plan with them."""
+        return self.count + len(self._seeds) >= self.min_samples
 
     def spread(self) -> Optional[Spread]:
         """Percentiles and mean of the recent lengths (None: none counted yet), sorted once per
         change (admission asks on every request it considers)."""
-        if self._spread is None and self._recent:
-            recent = sorted(self._recent)
+        sample = self._sample() if self._spread is None else None
+        if sample:
+            recent = sorted(sample)
             at = [recent[int(q * (len(recent) - 1))] for q in (0.1, 0.5, 0.9)]
             self._spread = Spread(*at, sum(recent) / len(recent))
         return self._spread
@@ -86,7 +115,7 @@ class OutputLengths:
     def _longer_than(self) -> np.ndarray:
         """How many recent lengths exceed v tokens, for v = 0 .. the longest (then 0)."""
         if self._longer is None:
-            lengths = np.array(self._recent)
+            lengths = np.array(self._sample())
             counts = np.bincount(lengths, minlength=int(lengths.max()) + 2)
             self._longer = len(lengths) - np.cumsum(counts)
         return self._longer

@@ -292,6 +292,13 @@ class VllmEngine(Engine):
         return self.budget.describe() | self.feed.cadence.describe() | {
             "start": self.start, "loop": loop, "grammar_masks": grammar_masks.read_report(self._masks_report)}
 
+    def output_lengths(self) -> list[int]:
+        return self.budget.lengths.recent()
+
+    def seed_output_lengths(self, lengths: list[int]) -> None:
+        if self.budget.project:  # only the projection and the pace read lengths
+            self.budget.lengths.seed(lengths)
+
     def let_go(self) -> None:
         """An engine core in this process with no worker processes (`in_process`, one device) ends
         with the process, so it is only held until os._exit: its teardown took 1.1 s on this

@@ -1,0 +1,98 @@
+"""A run that reuses a stored calibration starts admission from the output lengths of that
+calibration's slice, as the run that measured it went on from them (kv_lengths_from_calibration)."""
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import numpy as np
+import pytest
+
+from runner.engines.admission import KvBudget
+from runner.engines.base import Request
+from runner.engines.output_lengths import OutputLengths
+from runner.run import run_job
+from tests.test_adapt import simulate
+from tests.test_calibration_cache import auto_job, calibration, harness
+
+
+def test_seeds_stand_in_until_enough_of_the_runs_own_lengths_are_counted():
+    lengths = OutputLengths(min_samples=4)
+    assert not lengths.known()
+    lengths.seed([100, 100, 100, 100, 100])
+    assert lengths.known() and lengths.seeded == 5 and lengths.spread().p50 == 100
+    # A request 50 tokens in is still running 40 steps later: every seed ran to 100.
+    assert lengths.survival(np.array([50]), np.array([256]), np.array([40]))[0, 0] == 1.0
+    for ticket, n in enumerate([20, 20, 20]):
+        lengths.finished(ticket, n)
+    assert lengths.seeded == 5 and lengths.spread().p90 == 100  # 3 of its own: the seeds still count
+    lengths.finished(3, 20)
+    assert lengths.seeded == 0 and lengths.seeds_given == 5  # 4 of its own: the seeds are dropped
+    assert lengths.spread() == (20, 20, 20, 20.0) and lengths.recent() == [20, 20, 20, 20]
+    assert lengths.survival(np.array([10]), np.array([256]), np.array([40]))[0, 0] == 0.0
+
+
+def test_seeded_admission_paces_from_its_first_row_and_finishes_sooner():
+    """Every output 128 tokens under a cache that binds: without lengths the first rows go in as a
+    convoy sized by their peaks, which finish together; seeded with a slice's lengths the pace
+    applies from the first row. The same rows take fewer steps, and the cache never overflows."""
+    runs, first_step = {}, {}
+    for seeded in (False, True):
+        b = KvBudget(total_blocks=400, block_tokens=16, max_running=256)
+        if seeded:
+            b.lengths.seed([128] * 16)
+        b.submitted(b.admit(req := Request("r", "g", list(range(150)), 128, 0)))
+        first_step[seeded] = 1 + sum(b.can_admit(req) and b.submitted(b.admit(req)) is None for _ in range(40))
+        b = KvBudget(total_blocks=400, block_tokens=16, max_running=256)
+        if seeded:
+            b.lengths.seed([128] * 16)
+        runs[seeded] = simulate(b, 300, 150, lambda n: 128)
+        assert runs[seeded][0] <= 400
+        assert b.describe()["output_lengths_seeded"] == (16 if seeded else 0)
+    assert first_step[False] > first_step[True] == 5  # by peaks, against the first and the pace's burst of 4
+    assert runs[True][2] < runs[False][2]
+
+
+def _runs_with(make_job, **engine):
+    """A first run that calibrates (the fake engine's slice of 8 rows), then a second that reuses
+    its choice; returns the second run's engine and calibration record."""
+    job = auto_job(make_job, **engine)
+    clock, started, factory = harness(start_s=30.0)  # measuring drafts cannot pay: decided by cost
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    engines = []
+    run_job(job, engine_factory=lambda j: engines.append(factory(j)) or engines[-1], restart=True,
+            clock=lambda: clock.now)
+    return job, engines, calibration(job.database_path)
+
+
+def test_the_slices_lengths_are_stored_and_the_next_run_starts_from_them(make_job):
+    job, engines, again = _runs_with(make_job)
+    [record] = sqlite3.connect(job.database_path).execute("SELECT record_json FROM calibrations").fetchone()
+    stored = json.loads(record)["output_lengths"]
+    assert len(stored) == 8 and all(n > 0 for n in stored)  # the 8-row slice's own
+    assert len(engines) == 1 and engines[0].seeded == stored
+    assert again["output_lengths_seeded"] == 8 and "reused_calibration_id" in again
+
+
+def test_lengths_off_reuse_the_same_calibration_without_seeding(make_job):
+    job, engines, again = _runs_with(make_job, kv_lengths_from_calibration=False)
+    assert len(engines) == 1 and engines[0].seeded == [] and "output_lengths_seeded" not in again
+    assert "reused_calibration_id" in again  # the setting is not part of the calibration key
+
+
+@pytest.mark.parametrize("lengths", [["12"], [-1, 4], [True], [10 ** 9], "12", {"a": 1}])
+def test_stored_lengths_that_are_not_token_counts_are_ignored(make_job, lengths):
+    """A calibration record edited or damaged by hand: the run plans as without lengths, and completes."""
+    job = auto_job(make_job)
+    clock, started, factory = harness(start_s=30.0)
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    con = sqlite3.connect(job.database_path)
+    record = json.loads(con.execute("SELECT record_json FROM calibrations").fetchone()[0])
+    con.execute("UPDATE calibrations SET record_json = ?", (json.dumps(record | {"output_lengths": lengths}),))
+    con.commit()
+    con.close()
+    engines = []
+    s = run_job(job, engine_factory=lambda j: engines.append(factory(j)) or engines[-1], restart=True,
+                clock=lambda: clock.now)
+    assert engines[0].seeded == [] and s.stats["rows_total"] == 40
+    assert "output_lengths_seeded" not in calibration(job.database_path)
