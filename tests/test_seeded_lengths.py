@@ -13,23 +13,28 @@ from runner.engines.base import Request
 from runner.engines.output_lengths import OutputLengths
 from runner.run import run_job
 from tests.test_adapt import simulate
-from tests.test_calibration_cache import auto_job, calibration, harness
+from runner.spec import load_job
+from tests.test_calibration_cache import calibration, harness
 
 
-def test_seeds_stand_in_until_enough_of_the_runs_own_lengths_are_counted():
+def test_seeds_set_the_pace_only_until_enough_of_the_runs_own_lengths_are_counted():
+    """Seeds give the pace its lengths; the fit tests keep planning every row at max_tokens (a
+    request runs to its cap, whatever the seeds say) until the run's own lengths are known."""
     lengths = OutputLengths(min_samples=4)
-    assert not lengths.known()
     lengths.seed([100, 100, 100, 100, 100])
-    assert lengths.known() and lengths.seeded == 5 and lengths.spread().p50 == 100
-    # A request 50 tokens in is still running 40 steps later: every seed ran to 100.
-    assert lengths.survival(np.array([50]), np.array([256]), np.array([40]))[0, 0] == 1.0
+    assert lengths.pace_spread() == (100, 100, 100, 100.0) and lengths.seeded == 5
+    assert not lengths.known() and lengths.spread() is None
+    assert lengths.survival(np.array([150]), np.array([256]), np.array([40]))[0, 0] == 1.0
     for ticket, n in enumerate([20, 20, 20]):
         lengths.finished(ticket, n)
-    assert lengths.seeded == 5 and lengths.spread().p90 == 100  # 3 of its own: the seeds still count
+    assert lengths.pace_spread().p90 == 100 and lengths.seeded == 5  # 3 of its own: not enough yet
     lengths.finished(3, 20)
     assert lengths.seeded == 0 and lengths.seeds_given == 5  # 4 of its own: the seeds are dropped
-    assert lengths.spread() == (20, 20, 20, 20.0) and lengths.recent() == [20, 20, 20, 20]
+    assert lengths.pace_spread() == lengths.spread() == (20, 20, 20, 20.0) and lengths.recent() == [20] * 4
     assert lengths.survival(np.array([10]), np.array([256]), np.array([40]))[0, 0] == 0.0
+    too_few = OutputLengths(min_samples=4)
+    too_few.seed([100, 100])
+    assert too_few.pace_spread() is None  # fewer seeds than a run's own would need: not paced by them
 
 
 def test_seeded_admission_paces_from_its_first_row_and_finishes_sooner():
@@ -53,16 +58,61 @@ def test_seeded_admission_paces_from_its_first_row_and_finishes_sooner():
     assert runs[True][2] < runs[False][2]
 
 
-def _runs_with(make_job, **engine):
+@pytest.mark.parametrize("seed", [20, 60, 128, 200])
+def test_stale_seeds_never_let_the_cache_overflow(seed):
+    """The seeds come from another night's documents: however short they say outputs are, the fit
+    tests still plan each row at max_tokens until the run's own lengths are known, so every output
+    running to 128 tokens never needs more blocks than the cache has."""
+    b = KvBudget(total_blocks=400, block_tokens=16, max_running=256)
+    b.lengths.seed([seed] * 64)
+    most_blocks, _, _ = simulate(b, 300, 150, lambda n: 128)
+    assert most_blocks <= 400
+
+
+def auto_job(make_job, job=None, **engine):
+    return load_job(make_job(rows=40, job=job, engine={"speculative": "auto",
+                                                       "calibration": {"rows": 8, "max_draft_tokens": 4}} | engine))
+
+
+def _runs_with(make_job, start_s=30.0, job=None, **engine):
     """A first run that calibrates (the fake engine's slice of 8 rows), then a second that reuses
-    its choice; returns the second run's engine and calibration record."""
-    job = auto_job(make_job, **engine)
-    clock, started, factory = harness(start_s=30.0)  # measuring drafts cannot pay: decided by cost
+    its choice; returns the second run's engines and calibration record. Engines cost 30 s to start
+    by default: measuring drafts cannot pay, the choice is decided by cost."""
+    job = auto_job(make_job, job=job, **engine)
+    clock, started, factory = harness(start_s=start_s)
     run_job(job, engine_factory=factory, clock=lambda: clock.now)
     engines = []
     run_job(job, engine_factory=lambda j: engines.append(factory(j)) or engines[-1], restart=True,
             clock=lambda: clock.now)
     return job, engines, calibration(job.database_path)
+
+
+def test_a_stored_choice_of_drafts_is_reused_with_its_lengths(make_job):
+    """Engines that start at once: drafts are measured and chosen; the next run starts the drafting
+    engine directly and hands it the plain slice's lengths (vLLM's admission ignores them with drafts)."""
+    job, engines, again = _runs_with(make_job, start_s=0.0)
+    assert again["chosen_draft_tokens"] == 4 and len(engines) == 1 and engines[0].k == 4
+    assert len(engines[0].seeded) == 8 and again["output_lengths_seeded"] == 8
+
+
+def test_replicas_each_pace_from_the_stored_lengths(make_job):
+    """executor: ray (in-process cluster, fake replicas): the choice a local run stored is reused,
+    and every replica gets its slice's lengths."""
+    from runner.engines.fake import FakeEngine
+    from runner.engines.ray import LocalCluster, RayEngine
+    from tests.conftest import SCHEMA
+
+    job = auto_job(make_job)
+    clock, started, factory = harness(start_s=30.0)
+    run_job(job, engine_factory=factory, clock=lambda: clock.now)
+    ray_job = auto_job(make_job, job={"executor": "ray", "ray": {"replicas": 2}})
+    replicas: list[FakeEngine] = []
+    replica = lambda j: replicas.append(factory(j)) or replicas[-1]  # noqa: E731
+    s = run_job(ray_job, engine_factory=lambda j: RayEngine(j, replica, cluster=LocalCluster()), restart=True,
+                clock=lambda: clock.now)
+    stored = json.loads(sqlite3.connect(job.database_path).execute("SELECT record_json FROM calibrations").fetchone()[0])
+    assert len(replicas) == 2 and all(r.seeded == stored["output_lengths"] for r in replicas)
+    assert calibration(job.database_path)["output_lengths_seeded"] == 8 and s.stats["rows_total"] == 40
 
 
 def test_the_slices_lengths_are_stored_and_the_next_run_starts_from_them(make_job):

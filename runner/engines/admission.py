@@ -179,18 +179,16 @@ class KvBudget:
 
     def uniform_outputs(self) -> bool:
         """Recent outputs about as long as each other (10th percentile >= 3/4 of the 90th): the
-        case in which admitted waves stay together. Unknown until enough rows finished."""
-        if not self.lengths.known():
-            return False
-        spread = self.lengths.spread()
-        return spread.p10 >= 0.75 * spread.p90
+        case in which admitted waves stay together. Unknown until enough rows finished, unless a
+        stored calibration's lengths seed the pace (output_lengths.py)."""
+        spread = self.lengths.pace_spread()
+        return spread is not None and spread.p10 >= 0.75 * spread.p90
 
     def mean_output(self, max_tokens: int) -> float:
         """Mean output tokens of the recent finished cohort (the same window as the percentiles:
-        lengths change from one group of rows to the next); max_tokens until enough rows finished."""
-        if not self.lengths.known():
-            return max_tokens
-        return self.lengths.spread().mean
+        lengths change from one group of rows to the next), or of the seeds until then; else max_tokens."""
+        spread = self.lengths.pace_spread()
+        return max_tokens if spread is None else spread.mean
 
     def projected_peak(self, req: Request) -> float:
         """Peak blocks the running requests plus `req` are expected to hold over the coming steps,

@@ -143,9 +143,10 @@ class Engine(ABC):
         kept): a calibration slice's are stored for later runs to start from."""
         return []
 
-    def seed_output_lengths(self, lengths: list[int]) -> None:
-        """Plan admission with these lengths (a stored calibration slice's) until enough of this
-        engine's own rows are done (default: an engine without admission ignores them)."""
+    def seed_output_lengths(self, lengths: list[int]) -> int:
+        """Pace admission with these lengths (a stored calibration slice's) until enough of this
+        engine's own rows are done; returns how many it took (default: 0, no admission to pace)."""
+        return 0
 
     def close(self) -> None:
         """Release the engine (default: nothing to release)."""

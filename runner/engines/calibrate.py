@@ -113,15 +113,13 @@ def _reuse(job: Job, engines, ctx: CalibrationContext, cached: dict, pace: Optio
 
 
 def _seed_lengths(job: Job, engines, cached: dict, record: dict) -> dict:
-    """Start the engine's admission from the output lengths of the stored calibration's slice, as
-    the run that measured it went on from them: paced from the first row where outputs are about as
-    long, instead of a first convoy admitted by peaks (kv_lengths_from_calibration)."""
-    sampling = job.spec.sampling
-    lengths = stored_lengths(cached, max(sampling.max_tokens, sampling.retry_max_tokens or 0))
+    """Pace the engine's admission from the first row with the output lengths of the stored
+    calibration's slice, where they are about as long, instead of admitting a first convoy by peaks
+    (kv_lengths_from_calibration; runner/engines/output_lengths.py)."""
+    lengths = stored_lengths(cached, job.spec.sampling.max_tokens)  # the slice's are first attempts
     if not (lengths and job.engine.kv_lengths_from_calibration):
         return record
-    engines.engine.seed_output_lengths(lengths)
-    return record | {"output_lengths_seeded": len(lengths)}
+    return record | {"output_lengths_seeded": engines.engine.seed_output_lengths(lengths)}
 
 
 def _measure(job: Job, engines, loop, source: Iterator[Request], ctx: CalibrationContext

@@ -44,7 +44,7 @@ def stored_pace(cached: dict) -> Optional[float]:
 def stored_lengths(cached: dict, longest: int) -> list[int]:
     """Output lengths the stored calibration's slice saw, to seed a later run's admission; [] where
     it stored none (one made before they were kept) or any is not a whole number of tokens from 0 to
-    `longest` (the job's max_tokens or its retries'): then the run plans as without them."""
+    `longest` (the job's max_tokens: the slice's are first attempts): then the run paces without them."""
     try:
         lengths = json.loads(cached.get("record_json") or "{}").get("output_lengths")
     except (ValueError, AttributeError):

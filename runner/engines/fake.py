@@ -125,8 +125,9 @@ class FakeEngine(Engine):
     def output_lengths(self) -> list[int]:
         return self.lengths[-512:]
 
-    def seed_output_lengths(self, lengths: list[int]) -> None:
+    def seed_output_lengths(self, lengths: list[int]) -> int:
         self.seeded = list(lengths)
+        return len(self.seeded)
 
     def close(self) -> None:
         if self.close_s:

@@ -5,10 +5,11 @@ fair sample: a length counts once every request admitted before it is done. The 
 (at most 512 lengths: they change from one group of rows to the next) gives the percentiles and
 the chance that a request still runs some steps from now.
 
-Before any of its own rows is done, a run may start from the lengths its stored calibration's slice
-saw (seed): the same model, schema, prompts and sampling. They stand in only until the run has
-counted enough lengths of its own, so that admission paces from the first row instead of admitting
-a convoy by peaks; then they are dropped.
+Before enough of its own rows are done, a run may take the pace of its admissions (only the pace:
+not the fit tests, which plan every row at max_tokens until then) from the lengths its stored
+calibration's slice saw (seed): the same model, schema, prompt templates and sampling, but other
+documents, so they may be stale. Seeds shorter than this run's outputs then only speed the pace up
+to what the fit tests allow anyway; they are dropped once the run has counted enough of its own.
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ class OutputLengths:
         self._recent: list[int] = []
         self._seeds: list[int] = []  # an earlier run's lengths, until this run's own are enough
         self.seeds_given = 0  # how many it was started with
-        self._spread: Optional[Spread] = None  # of the sample (seeds and recent), sorted once per change
-        self._longer: Optional[np.ndarray] = None  # of the sample, for survival()
+        self._seed_spread: Optional[Spread] = None
+        self._spread: Optional[Spread] = None  # of _recent, sorted once per change
+        self._longer: Optional[np.ndarray] = None  # of _recent, for survival()
         self._finished: dict[int, Optional[int]] = {}  # done, but an earlier ticket is still running
         self._cohort_end = 0  # every ticket below this one is done and counted
 
@@ -53,43 +55,46 @@ class OutputLengths:
                 self.count += 1
                 self._recent.append(n)
                 self._spread = self._longer = None
-                if self._seeds and self.count >= self.min_samples:
+                if self._seeds and self.known():
                     self._seeds = []  # this run's own lengths are enough: the earlier run's go
                 if len(self._recent) > WINDOW:
                     del self._recent[:WINDOW // 2]
 
     def seed(self, lengths: list[int]) -> None:
-        """Plan with an earlier run's lengths until this run has counted min_samples of its own."""
+        """Pace with an earlier run's lengths until this run has counted min_samples of its own."""
         self._seeds = [int(n) for n in lengths[-WINDOW:]]
         self.seeds_given = len(self._seeds)
-        self._spread = self._longer = None
+        self._seed_spread = None
 
     @property
     def seeded(self) -> int:
-        """Lengths from an earlier run planned with now (0 once this run's own are enough)."""
+        """Lengths from an earlier run the pace reads now (0 once this run's own are enough)."""
         return len(self._seeds)
 
     def recent(self) -> list[int]:
-        """This run's own recent lengths (seeds left out)."""
+        """This run's own recent lengths."""
         return list(self._recent)
 
-    def _sample(self) -> list[int]:
-        """The lengths planned with: the seeds while they stand in, and this run's own."""
-        return self._seeds + self._recent if self._seeds else self._recent
-
     def known(self) -> bool:
-        """Enough lengths counted (or seeded) to plan with them."""
-        return self.count + len(self._seeds) >= self.min_samples
+        """Enough of this run's own lengths counted to plan with them."""
+        return self.count >= self.min_samples
 
     def spread(self) -> Optional[Spread]:
-        """Percentiles and mean of the recent lengths (None: none counted yet), sorted once per
-        change (admission asks on every request it considers)."""
-        sample = self._sample() if self._spread is None else None
-        if sample:
-            recent = sorted(sample)
-            at = [recent[int(q * (len(recent) - 1))] for q in (0.1, 0.5, 0.9)]
-            self._spread = Spread(*at, sum(recent) / len(recent))
+        """Percentiles and mean of this run's recent lengths (None: none counted yet), sorted once
+        per change (admission asks on every request it considers)."""
+        if self._spread is None and self._recent:
+            self._spread = _spread(self._recent)
         return self._spread
+
+    def pace_spread(self) -> Optional[Spread]:
+        """What the pace reads: this run's own spread once known, else the seeds' (None: neither)."""
+        if self.known():
+            return self.spread()
+        if len(self._seeds) < self.min_samples:
+            return None
+        if self._seed_spread is None:
+            self._seed_spread = _spread(self._seeds)
+        return self._seed_spread
 
     def survival(self, age: np.ndarray, cap: np.ndarray, ahead: np.ndarray) -> np.ndarray:
         """[request, x]: the chance that a request that has made age[r] tokens (of at most cap[r])
@@ -115,7 +120,13 @@ class OutputLengths:
     def _longer_than(self) -> np.ndarray:
         """How many recent lengths exceed v tokens, for v = 0 .. the longest (then 0)."""
         if self._longer is None:
-            lengths = np.array(self._sample())
+            lengths = np.array(self._recent)
             counts = np.bincount(lengths, minlength=int(lengths.max()) + 2)
             self._longer = len(lengths) - np.cumsum(counts)
         return self._longer
+
+
+def _spread(lengths: list[int]) -> Spread:
+    ordered = sorted(lengths)
+    at = [ordered[int(q * (len(ordered) - 1))] for q in (0.1, 0.5, 0.9)]
+    return Spread(*at, sum(ordered) / len(ordered))

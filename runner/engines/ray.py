@@ -105,6 +105,12 @@ class EngineReplica:
     def adaptation(self) -> dict:
         return self.engine.adaptation()
 
+    def output_lengths(self) -> list[int]:
+        return self.engine.output_lengths()
+
+    def seed_output_lengths(self, lengths: list[int]) -> int:
+        return self.engine.seed_output_lengths(lengths)
+
     def close(self, process_ends: bool = False) -> None:
         """Shut the engine down; process_ends: the actor's process is killed next, which runs no
         atexit handler, so vLLM's files go now (runner/scratch.py)."""
@@ -294,6 +300,15 @@ class RayEngine(Engine):
     def expected_batch(self, req: Request) -> Optional[int]:
         """Per replica: speculation is decided per engine."""
         return self._get(self.cluster.call(self.replicas[0], "expected_batch", req), "failed")
+
+    def output_lengths(self) -> list[int]:
+        """Every replica's (each saw a share of the rows)."""
+        return [n for r in self.replicas for n in self._get(self.cluster.call(r, "output_lengths"), "failed")]
+
+    def seed_output_lengths(self, lengths: list[int]) -> int:
+        """Every replica paces from them (each sees a share of the rows: the longest to learn its own)."""
+        taken = [self._get(self.cluster.call(r, "seed_output_lengths", lengths), "failed") for r in self.replicas]
+        return min(taken, default=0)
 
     def adaptation(self) -> dict:
         """Each replica's, and the driver's bytecode decision where it made one (before starting a

@@ -295,9 +295,11 @@ class VllmEngine(Engine):
     def output_lengths(self) -> list[int]:
         return self.budget.lengths.recent()
 
-    def seed_output_lengths(self, lengths: list[int]) -> None:
-        if self.budget.project:  # only the projection and the pace read lengths
-            self.budget.lengths.seed(lengths)
+    def seed_output_lengths(self, lengths: list[int]) -> int:
+        if not self.budget.pace:  # only the pace reads seeds (off with drafts, or without the projection)
+            return 0
+        self.budget.lengths.seed(lengths)
+        return self.budget.lengths.seeded
 
     def let_go(self) -> None:
         """An engine core in this process with no worker processes (`in_process`, one device) ends
