@@ -100,7 +100,6 @@ def test_replicas_each_pace_from_the_stored_lengths(make_job):
     and every replica gets its slice's lengths."""
     from runner.engines.fake import FakeEngine
     from runner.engines.ray import LocalCluster, RayEngine
-    from tests.conftest import SCHEMA
 
     job = auto_job(make_job)
     clock, started, factory = harness(start_s=30.0)
