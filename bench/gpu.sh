@@ -73,6 +73,11 @@
 # What a step costs (bench/step_cost.py; 2026-12-05 on an H100, ~290 s with the engine's first start of 211 s):
 #   cd /tmp/proj && PYTHONPATH=/tmp/site:/tmp/proj VLLM_CACHE_ROOT=/tmp/vllm-cache HF_HUB_OFFLINE=1 timeout 440 \
 #     python3 bench/step_cost.py --model /tmp/smollm2 --shape 8b --batches 16,64,128,192 --tokens 96 --repeats 2 --out $OUT/sc.json
+# Next on a GPU: the pace seeded with the stored calibration's lengths (kv_lengths_from_calibration,
+# 07e731d and after; not measured on a GPU yet: none was lent that session) against `noseed`, the
+# runner without it; both reuse runner_first's calibration (~1,250 s of device time with staging):
+#   WARMUP="invoices/tight/8b=sorted,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
+#     --repeats 3 --deadline-s 700 --cases "invoices/tight/8b=runner_first@1;invoices/tight/8b=sorted,runner,noseed"
 # 84f3ee5's output lengths from the last run (since taken out) were measured on an H100 (no H200 came):
 # a runner warm-up, runner_first, 3 rounds of runner and noseed: ~1,150 s of device time with staging
 # (~30 s) and install (~100 s); bench/results/2026-12-05-nvidia-h100-8b-seeded-lengths.json.

@@ -109,9 +109,12 @@ def plan(job, overrides):
         say(f"{g.key:<12}  {g.rows:>7,}  {g.prompt_tokens:>11,}  {g.prefix_tokens:>10,}  {share:>9.1%}  {g.preview}")
     exact = "" if p.tokens_exact else " (estimated: model not prepared)"
     say(f"{plural(len(p.groups), 'group')}, {plural(p.rows, 'row')}, {plural(p.prompt_tokens, 'prompt token')}{exact}")
-    if p.rows_bad_input:
+    if p.rows_bad_input and spec.spec.input.on_bad_row == "store":
         say(f"{plural(p.rows_bad_input, 'row')} with a null text or system prompt, or values prompts.system_template "
             "cannot take (input.on_bad_row: store: a run stores them as failed)")
+    elif p.rows_bad_input:  # under `fail` a null stops the scan first: only the template's failures are left
+        say(f"{plural(p.rows_bad_input, 'row')} with values prompts.system_template cannot take "
+            "(a run stores them as failed)")
     if p.rows_without_prompt:
         say(f"{plural(p.rows_without_prompt, 'row')} whose values do not fit prompts.user_template (a run stores them as failed)")
     if p.rows_too_long:

@@ -120,8 +120,8 @@ class EngineConfig(Strict):
         "where the KV cache binds and outputs are about as long, spread admissions out so that waves "
         "of requests do not finish (and peak) together"))
     kv_lengths_from_calibration: bool = Field(default=True, description=(
-        "a run that reuses a stored calibration starts admission from the output lengths of that "
-        "calibration's slice (same model, schema, prompts, sampling), so that it paces from its first row"))
+        "a run that reuses a stored calibration takes its admission pace from the output lengths of "
+        "that calibration's slice until 16 of its own rows are done, so that it paces from its first row"))
     kv_usage_feedback: bool = Field(default=False, description=(
         "where the runner's count of KV blocks held runs above vLLM's reported usage, add the excess "
         "to the room (on an H200 it changed neither the requests in flight nor the steps: off)"))

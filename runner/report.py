@@ -7,6 +7,7 @@ from array import array
 from collections import defaultdict
 from typing import Sequence
 
+from runner.collect import SAMPLE_EVERY_S
 from runner.engines import describe_settings
 from runner.errors import NotFound
 from runner.rows import Status
@@ -43,7 +44,9 @@ def bar_chart(labels: list[str], values: list[float], fmt=lambda v: f"{v:g}", co
 
 def line_chart(xs: list[float], ys: list[float], x_label: str, y_label: str) -> str:
     if len(xs) < 2:
-        return "<p>Too few samples for a curve (the run was shorter than the sampling interval).</p>"
+        # not "the run was short": a killed run also stops sampling at its last stored row
+        return (f"<p>Too few samples for a curve (one is taken at most every {SAMPLE_EVERY_S:g} s, "
+                f"as rows are stored).</p>")
     x0, x1, y1 = min(xs), max(xs), max(max(ys), 1e-9)
     sx = lambda x: _PAD + (_W - 2 * _PAD) * (x - x0) / ((x1 - x0) or 1)
     sy = lambda y: _H - _PAD + (-(_H - 2 * _PAD) * y / y1)

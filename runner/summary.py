@@ -48,9 +48,11 @@ def stats_lines(s: dict, statuses: dict[str, int]) -> list[tuple[str, str]]:
         ("rows by status", ", ".join(f"{k} {v:,}" for k, v in sorted(statuses.items()) if v) or "-"),
         ("documents/s", fmt(s.get("documents_per_s"))),
         ("output / total tok/s", f"{fmt(s.get('output_tokens_per_s'), 1)} / {fmt(s.get('total_tokens_per_s'), 1)}"),
-        # no bound where the run planned nothing (every row stored already) or was stopped
+        # no bound where the run planned nothing (every row stored already) or was stopped, nor
+        # beside no hit rate (idle runs of older versions stored a bound of 0)
         ("prefix-cache hit rate", fmt(s.get("prefix_cache_hit_rate"), pct=True) + (
-            f" (plan bound {fmt(s.get('plan_prefix_share'), pct=True)})" if s.get("plan_prefix_share") is not None else "")),
+            f" (plan bound {fmt(s.get('plan_prefix_share'), pct=True)})"
+            if s.get("plan_prefix_share") is not None and s.get("prefix_cache_hit_rate") is not None else "")),
         ("spec. acceptance", fmt(s.get("spec_acceptance_rate"), pct=True)),
         ("speculation", speculation(s.get("engine_choice_json"))),
         ("wall / generation s", f"{fmt(s.get('wall_s'), 1)} / {fmt(s.get('generation_s'), 1)}"

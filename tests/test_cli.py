@@ -102,6 +102,10 @@ def test_run_with_fake_engine_then_stats(invoke, make_job, tmp_path):
     assert out.output.startswith("run 1  t  completed") and "(plan bound " in out.output
     idle = invoke("stats", "2", "--db", tmp_path / "out" / "results.sqlite")  # generated nothing: no bound of 0.0%
     assert idle.exit_code == 0 and "prefix-cache hit rate" in idle.output and "plan bound" not in idle.output
+    with sqlite3.connect(tmp_path / "out" / "results.sqlite") as old:  # as an older version stored it
+        old.execute("UPDATE run_stats SET plan_prefix_share = 0.0 WHERE run_id = 2")
+    idle = invoke("stats", "2", "--db", tmp_path / "out" / "results.sqlite")
+    assert idle.exit_code == 0 and "plan bound" not in idle.output
     other = tmp_path / "other.sqlite"
     shutil.copy(tmp_path / "out" / "results.sqlite", other)
     for command in (["stats"], ["report", "1"], ["export", "--format", "csv"]):  # which one would it read?

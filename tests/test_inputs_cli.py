@@ -144,6 +144,9 @@ def test_a_row_the_system_template_cannot_fill_fails_alone(make_job, tmp_path):
     pq.write_table(pa.table({"id": ["a", "b", "c"], "text": ["x", "y", "z"], "n": [1.5, None, 2.0]}), docs)
     job = make_job(docs=docs, job={"input": {"system_prompt_column": None, "extra_columns": ["n"]},
                                    "prompts": {"system_template": "Record {n:.1f}"}})
+    plan = invoke("plan", job)  # under on_bad_row: fail (the default), not credited to `store`
+    assert plan.exit_code == 0 and "1 row with values prompts.system_template cannot take (a run stores" in plan.output
+    assert "on_bad_row" not in plan.output
     out = invoke("run", "--engine", "fake", job)
     assert out.exit_code == 0, out.output
     rows = dict(sqlite3.connect(tmp_path / "out" / "results.sqlite").execute("SELECT row_id, status || ' ' || coalesce(error, '') FROM results"))

@@ -124,3 +124,14 @@ def test_flat_fields_tell_scalars_from_structures():
 def test_report_of_a_missing_run_is_an_error(real_db, tmp_path):
     out = CliRunner().invoke(cli, ["report", "99", "--db", str(real_db), "-o", str(tmp_path / "x.html")])
     assert out.exit_code == 7 and out.output.startswith("Error: ") and "no run 99" in out.output
+
+
+def test_one_sample_is_not_called_a_short_run():
+    """A run killed after its first sample ran longer than the interval: the note says how samples
+    are taken, not that the run was short."""
+    from runner.collect import SAMPLE_EVERY_S
+    from runner.report import line_chart
+
+    note = line_chart([3.0], [1.5], "seconds since start", "documents/s")
+    assert "<svg" not in note and "shorter" not in note and f"every {SAMPLE_EVERY_S:g} s" in note
+    assert "<svg" in line_chart([3.0, 6.0], [1.5, 2.0], "seconds since start", "documents/s")
