@@ -86,7 +86,7 @@ def test_preemption_shrinks_the_budget_for_a_while():
 
 
 def simulate(budget: KvBudget, rows: int, prompt: int, output, steps: int = 20_000, shuffle: bool = True,
-             held_while_waiting: Optional[list] = None):
+             held_while_waiting: Optional[list] = None, max_tokens: int = 128):
     """Admit greedily; every sent request makes one token a step and holds ceil(tokens/block) blocks,
     as vLLM allocates them. Returns (most blocks ever held, most requests at once, steps taken);
     `held_while_waiting` gets the blocks held at each step in which rows were still waiting."""
@@ -96,9 +96,9 @@ def simulate(budget: KvBudget, rows: int, prompt: int, output, steps: int = 20_0
         random.Random(0).shuffle(waiting)  # lengths arrive in no order, as rows do
     most_blocks = most_running = 0
     for step in range(steps):
-        while waiting and budget.can_admit(req(prompt=prompt, max_tokens=128)):
+        while waiting and budget.can_admit(req(prompt=prompt, max_tokens=max_tokens)):
             n = waiting.pop()
-            t = budget.admit(req(prompt=prompt, max_tokens=128))
+            t = budget.admit(req(prompt=prompt, max_tokens=max_tokens))
             budget.submitted(t)
             running[t] = [prompt, prompt + output(n)]
         for t, toks in list(running.items()):

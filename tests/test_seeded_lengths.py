@@ -34,7 +34,33 @@ def test_seeds_set_the_pace_only_until_enough_of_the_runs_own_lengths_are_counte
     assert lengths.survival(np.array([10]), np.array([256]), np.array([40]))[0, 0] == 0.0
     too_few = OutputLengths(min_samples=4)
     too_few.seed([100, 100])
-    assert too_few.pace_spread() is None  # fewer seeds than a run's own would need: not paced by them
+    assert too_few.pace_spread() is None and too_few.seeds_given == 0  # fewer than a run's own would need
+
+
+@pytest.mark.parametrize("own, kept", [(256, True), (240, True), (50, False), (400, False)])
+def test_seeds_the_first_own_lengths_contradict_are_dropped_early(own, kept):
+    """Seeds from another night: 4 of the run's own lengths outside their band drop them at once,
+    long before the 16 a run needs to plan with its own (seeds far longer than the run's outputs
+    would hold its pace back until then)."""
+    lengths = OutputLengths(min_samples=16)
+    lengths.seed([256] * 64)
+    for ticket in range(3):
+        lengths.finished(ticket, own)
+    assert lengths.seeded == 64
+    lengths.finished(3, own)
+    assert (lengths.seeded == 64) == kept and (lengths.pace_spread() is not None) == kept
+
+
+def test_stale_long_seeds_cost_few_steps():
+    """Seeds of 1,000 tokens, outputs of 50 (max_tokens 1,024): dropped after 4 rows, the run takes
+    about the steps it takes unseeded (71% more where the seeds held until 16 rows were done)."""
+    steps = {}
+    for seeded in (False, True):
+        b = KvBudget(total_blocks=400, block_tokens=16, max_running=256)
+        if seeded:
+            b.lengths.seed([1000] * 64)
+        steps[seeded] = simulate(b, 300, 150, lambda n: 50, max_tokens=1024)[2]
+    assert steps[True] <= 1.1 * steps[False]
 
 
 def test_seeded_admission_paces_from_its_first_row_and_finishes_sooner():

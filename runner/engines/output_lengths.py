@@ -9,7 +9,9 @@ Before enough of its own rows are done, a run may take the pace of its admission
 not the fit tests, which plan every row at max_tokens until then) from the lengths its stored
 calibration's slice saw (seed): the same model, schema, prompt templates and sampling, but other
 documents, so they may be stale. Seeds shorter than this run's outputs then only speed the pace up
-to what the fit tests allow anyway; they are dropped once the run has counted enough of its own.
+to what the fit tests allow anyway; longer ones would slow it down until the run's own are known,
+so seeds go as soon as SEED_CHECK of its own lengths fall outside their band, and in any case once
+the run has counted enough of its own.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 WINDOW = 512  # recent lengths kept (the older half is dropped when full)
+SEED_CHECK = 4  # own lengths after which seeds they contradict are dropped
+BAND = 0.75  # seeds agree with own lengths within [BAND x their p10, their p90 / BAND] (the pace's test)
 
 
 class Spread(NamedTuple):
@@ -55,14 +59,15 @@ class OutputLengths:
                 self.count += 1
                 self._recent.append(n)
                 self._spread = self._longer = None
-                if self._seeds and self.known():
-                    self._seeds = []  # this run's own lengths are enough: the earlier run's go
+                if self._seeds and (self.known() or (self.count >= SEED_CHECK and not self._seeds_agree())):
+                    self._seeds = []  # this run's own lengths are enough, or say the earlier run's are stale
                 if len(self._recent) > WINDOW:
                     del self._recent[:WINDOW // 2]
 
     def seed(self, lengths: list[int]) -> None:
-        """Pace with an earlier run's lengths until this run has counted min_samples of its own."""
-        self._seeds = [int(n) for n in lengths[-WINDOW:]]
+        """Pace with an earlier run's lengths until this run has counted min_samples of its own
+        (fewer than min_samples seeds are not taken: the pace would not read them)."""
+        self._seeds = [int(n) for n in lengths[-WINDOW:]] if len(lengths) >= self.min_samples else []
         self.seeds_given = len(self._seeds)
         self._seed_spread = None
 
@@ -74,6 +79,10 @@ class OutputLengths:
     def recent(self) -> list[int]:
         """This run's own recent lengths."""
         return list(self._recent)
+
+    def _seeds_agree(self) -> bool:
+        seeds = self.pace_spread()
+        return BAND * seeds.p10 <= min(self._recent) and max(self._recent) <= seeds.p90 / BAND
 
     def known(self) -> bool:
         """Enough of this run's own lengths counted to plan with them."""
