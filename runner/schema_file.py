@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import SpecError
-from runner.fast_schema import _ANNOTATIONS, is_number
+from runner.fast_schema import is_number
+from runner.schema_loops import looping_refs
 
 
 def load_schema(path: Path, where: str) -> dict[str, Any]:
@@ -49,8 +50,9 @@ def _load_schema(path: Path, where: str) -> dict[str, Any]:
     looping = next(looping_refs(schema), None)
     if looping is not None:
         where, ref = looping
-        raise SpecError(f"{path}: {where}: $ref {ref!r} leads back to itself through references alone: "
-                        f"no value can be checked against it")
+        raise SpecError(f"{path}: {where}: $ref {ref!r} leads back to itself without going into the value "
+                        f"(through references, allOf, anyOf, oneOf, not, if/then/else): no value can be checked "
+                        f"against it")
     impossible = next(unsatisfiable(schema), None)
     if impossible is not None:
         where, why = impossible
@@ -194,20 +196,6 @@ def pointed(schema: Any, ref: str) -> Any:
         else:
             return NOTHING
     return node
-
-
-def looping_refs(schema: Any):
-    """(location, reference) of a `#/...` reference that leads back to itself through schemas that
-    are nothing but a reference: no value can be checked against it (every check recurses)."""
-    for loc, ref in _refs(schema, "#"):
-        seen, at = set(), ref
-        while isinstance(at, str) and (at == "#" or at.startswith("#/")) and at not in seen:
-            seen.add(at)
-            node = pointed(schema, at)
-            at = node.get("$ref") if isinstance(node, dict) and not set(node) - _ANNOTATIONS - {"$ref"} else None
-        if isinstance(at, str) and at in seen:
-            yield loc, ref
-            return
 
 
 _DATA_KEYS = ("examples", "default", "const", "enum")  # their values are instances, not schemas

@@ -91,7 +91,15 @@ CASES = [
     ("schema ref loop", write_text("schemas/out.json", json.dumps(
         {"type": "object", "$defs": {"x": {"$ref": "#/$defs/y", "description": "d"}, "y": {"$ref": "#/$defs/x"}},
          "properties": {"a": {"type": "string"}, "b": {"$ref": "#/$defs/x"}}, "required": ["a"]})), 2,
-     "out.json: #/$defs/x/$ref: $ref '#/$defs/y' leads back to itself through references alone"),
+     "out.json: #/$defs/x/$ref: $ref '#/$defs/y' leads back to itself without going into the value"),
+    ("schema ref loop through allOf", write_text("schemas/out.json", json.dumps(
+        {"type": "object", "$defs": {"a": {"allOf": [{"type": "object"}, {"$ref": "#/$defs/a"}]}},
+         "properties": {"a": {"type": "string"}, "b": {"$ref": "#/$defs/a"}}, "required": ["a"]})), 2,
+     "out.json: #/$defs/a/allOf/1/$ref: $ref '#/$defs/a' leads back to itself without going into the value"),
+    ("schema anchor loop", write_text("schemas/out.json", json.dumps(
+        {"type": "object", "$defs": {"a": {"$anchor": "here", "type": "object", "$ref": "#here"}},
+         "properties": {"a": {"type": "string"}, "b": {"$ref": "#here"}}, "required": ["a"]})), 2,
+     "out.json: #/$defs/a/$ref: $ref '#here' leads back to itself without going into the value"),
     ("schema nested too deeply", write_text("schemas/out.json", '{"type": "object", "properties": {"a": ' * 300
                                             + '{"type": "string"}' + "}}" * 300), 2,
      "out.json: nested too deeply to be checked"),

@@ -582,3 +582,37 @@ def test_a_schema_file_that_json_would_read_loosely_is_refused(make_job, tmp_pat
     with pytest.raises(SpecError) as err:
         load_job(path)
     assert str(err.value) == f"{tmp_path / 'schemas' / 'out.json'}: not valid JSON: {why}"
+
+
+@pytest.mark.parametrize("schema, value, loop", [
+    # a tree: each node refers to itself for its children (through items): fine
+    ({"$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
+      "properties": {"root": {"$ref": "#/$defs/n"}}}, {"root": {"kids": [{"kids": []}]}}, None),
+    ({"additionalProperties": {"$ref": "#"}}, {"a": {"b": {}}}, None),
+    ({"$defs": {"s": {"allOf": [{"type": "string"}]}}, "properties": {"a": {"$ref": "#/$defs/s"}}}, {"a": "x"}, None),
+    ({"$defs": {"a": {"allOf": [{"type": "object"}, {"$ref": "#/$defs/a"}]}}, "properties": {"b": {"$ref": "#/$defs/a"}}},
+     {"b": {}}, ("#/$defs/a/allOf/1/$ref", "#/$defs/a")),
+    ({"anyOf": [{"$ref": "#"}]}, {}, ("#/anyOf/0/$ref", "#")),
+    ({"$defs": {"a": {"$anchor": "here", "$ref": "#here"}}, "properties": {"b": {"$ref": "#here"}}}, {"b": 1},
+     ("#/$defs/a/$ref", "#here")),
+    ({"$defs": {"a": {"not": {"$ref": "#/$defs/b"}}, "b": {"oneOf": [{"$ref": "#/$defs/a"}]}},
+      "properties": {"x": {"$ref": "#/$defs/a"}}}, {"x": 1}, ("#/$defs/a/not/$ref", "#/$defs/b")),
+    ({"dependentSchemas": {"a": {"$ref": "#"}}}, {"a": 1}, ("#/dependentSchemas/a/$ref", "#")),
+    ({"$defs": {"a/b": {"if": {"$ref": "#/$defs/a~1b"}}}, "properties": {"x": {"$ref": "#/$defs/a~1b"}}}, {"x": 1},
+     ("#/$defs/a~1b/if/$ref", "#/$defs/a~1b")),
+])
+def test_a_reference_that_leads_back_without_going_into_the_value_is_found(schema, value, loop):
+    """Each loop found is one jsonschema recurses on without end for the value given; each schema
+    passed checks the value."""
+    import jsonschema
+
+    from runner.schema_loops import looping_refs
+
+    schema = {"type": "object"} | schema
+    assert next(looping_refs(schema), None) == loop
+    validator = jsonschema.Draft202012Validator(schema)
+    if loop is None:
+        assert validator.is_valid(value)
+    else:
+        with pytest.raises(RecursionError):
+            validator.is_valid(value)

@@ -1,0 +1,138 @@
+"""References in the output schema that lead back to where they were reached from without going
+into the value: through `$ref` and the keywords that apply a subschema to the same value (allOf,
+anyOf, oneOf, not, if/then/else, dependentSchemas). No value can be checked against such a schema:
+every check recurses until Python's stack runs out. A reference reached through properties or
+items is fine (a tree's node refers to itself for its children)."""
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+from urllib.parse import unquote
+
+_REFS = ("$ref", "$dynamicRef", "$recursiveRef")
+_LISTS = ("allOf", "anyOf", "oneOf")  # each subschema applies to the same value
+_ONE = ("not", "if", "then", "else")
+_DATA = ("examples", "default", "const", "enum")  # instances, not schemas
+Path = tuple[str, ...]
+Edge = tuple[Path, Optional[tuple[str, str]]]  # (where it goes, (the reference's location, the reference) or None)
+
+
+def looping_refs(schema: Any) -> Iterator[tuple[str, str]]:
+    """(location, reference) of a reference that closes such a loop: the first found, then stops.
+    Documents with a nested `$id` (references relative to it) are left to the validator."""
+    if not isinstance(schema, dict) or _has_nested_id(schema):
+        return
+    anchors = dict(_anchor_paths(schema))
+    walk = _Walk(schema, anchors)
+    for start in walk.ref_targets(schema, ()):
+        found = walk.from_start(start)
+        if found is not None:
+            yield found
+            return
+
+
+class _Walk:
+    def __init__(self, schema: dict, anchors: dict[str, Path]):
+        self.schema, self.anchors = schema, anchors
+        self.state: dict[Path, bool] = {}  # True: on the current path; False: done, no loop below
+
+    def from_start(self, start: Path) -> Optional[tuple[str, str]]:
+        if start in self.state:
+            return None
+        frames = [(start, iter(self.edges(start)), None)]
+        self.state[start] = True
+        while frames:
+            path, edges, _ = frames[-1]
+            nxt = next(edges, None)
+            if nxt is None:
+                self.state[path] = False
+                frames.pop()
+                continue
+            child, via = nxt
+            if self.state.get(child) is True:  # back on the path: the last reference in the loop closes it
+                at = next(i for i, f in enumerate(frames) if f[0] == child)
+                return via or next(f[2] for f in reversed(frames[at + 1:]) if f[2] is not None)
+            if child not in self.state:
+                self.state[child] = True
+                frames.append((child, iter(self.edges(child)), via))
+        return None
+
+    def edges(self, path: Path) -> Iterator[Edge]:
+        node = _at(self.schema, path)
+        if not isinstance(node, dict):
+            return
+        for key in _REFS:
+            target = self.target(node.get(key))
+            if target is not None:
+                yield target, (_location(path + (key,)), node[key])
+        for key in _LISTS:
+            if isinstance(node.get(key), list):
+                yield from ((path + (key, str(i)), None) for i in range(len(node[key])))
+        for key in _ONE:
+            if isinstance(node.get(key), dict):
+                yield path + (key,), None
+        if isinstance(node.get("dependentSchemas"), dict):
+            yield from ((path + ("dependentSchemas", name), None) for name in node["dependentSchemas"])
+
+    def target(self, ref: Any) -> Optional[Path]:
+        """Where a local reference points (None: not local, or nothing there)."""
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return None
+        if ref == "#" or ref.startswith("#/"):
+            # as jsonschema reads a pointer: percent-decoded whole, split, then ~1 and ~0
+            path = tuple(p.replace("~1", "/").replace("~0", "~") for p in unquote(ref[1:]).split("/")[1:])
+            return path if _at(self.schema, path) is not _MISSING else None
+        return self.anchors.get(ref[1:])
+
+    def ref_targets(self, node: Any, path: Path) -> Iterator[Path]:
+        """Where every local reference in the document points, in document order."""
+        for sub, sub_path in _schemas(node, path):
+            for key in _REFS:
+                target = self.target(sub.get(key))
+                if target is not None:
+                    yield target
+
+
+_MISSING = object()
+
+
+def _at(schema: Any, path: Path) -> Any:
+    node = schema
+    for part in path:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
+
+
+def _schemas(node: Any, path: Path, names: bool = False) -> Iterator[tuple[dict, Path]]:
+    """Every object in the document that is a schema (instance data left out), with its path."""
+    if isinstance(node, dict):
+        if not names:
+            yield node, path
+        for key, value in node.items():
+            if names or key not in _DATA:
+                yield from _schemas(value, path + (key,), names=not names and key in _NAME_MAPS)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _schemas(value, path + (str(i),))
+
+
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+
+
+def _anchor_paths(schema: Any) -> Iterator[tuple[str, Path]]:
+    for node, where in _schemas(schema, ()):
+        for key in ("$anchor", "$dynamicAnchor"):
+            if isinstance(node.get(key), str):
+                yield node[key], where
+
+
+def _has_nested_id(schema: dict) -> bool:
+    return any(isinstance(node.get("$id"), str) for node, where in _schemas(schema, ()) if where)
+
+
+def _location(path: Path) -> str:
+    return "#" + "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in path)
