@@ -61,6 +61,7 @@ def check_engine_settings(engine: EngineConfig, model_path: Path, spec: "JobFile
         _check_sampling_args(spec.sampling.extra_args, where.job_path)
         _check_engine_args(engine.extra_args, where)
         _check_speculative_keys(engine, where)
+        _check_load_format(engine, where)
     if spec.sampling.max_tokens >= engine.max_model_len:  # every row would be stored failed, too long
         length = where("max_model_len").removeprefix(f"{where.job_path}: ")  # its file, if not the job's
         raise SpecError(f"{where.job_path}: sampling.max_tokens: {spec.sampling.max_tokens} leaves no room for a "
@@ -81,6 +82,23 @@ def _check_sampling_args(extra_args: dict[str, Any], job_path: Path) -> None:
         hint = f"; did you mean {close[0]}?" if close else ""
         raise SpecError(f"{job_path}: sampling.extra_args.{unknown[0]}: not a field of vllm.SamplingParams "
                         f"({vllm_version()}){hint}")
+
+
+def _check_load_format(engine: EngineConfig, where: EngineSettingSource) -> None:
+    """A load_format the installed vLLM does not know (a typo of `dummy`): refused now, not once
+    vLLM has imported and the night's run is recorded failed."""
+    import difflib
+
+    from runner.engines.vllm_settings import load_formats, vllm_version
+
+    field = "load_format" if engine.load_format is not None else "extra_args.load_format"
+    value = engine.load_format if engine.load_format is not None else engine.extra_args.get("load_format")
+    known = load_formats() if isinstance(value, str) else None
+    if known and value.lower() not in known:  # vLLM lowercases it
+        close = difflib.get_close_matches(value.lower(), sorted(known), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise SpecError(f"{where(field)}: {value!r} is not a load format of {vllm_version()} "
+                        f"({', '.join(sorted(known))}){hint}")
 
 
 def _check_engine_args(extra_args: dict[str, Any], where: EngineSettingSource) -> None:

@@ -74,6 +74,11 @@ def test_real_sample_job_is_valid():
      "job.yaml: engine.extra_args.not_an_llm_arg: not an argument of vllm.LLM (vllm"),
     (lambda s: s["engine"].update(extra_args={"enforce_eagr": True}),
      "engine.extra_args.enforce_eagr: not an argument of vllm.LLM"), (lambda s: s["engine"].update(extra_args={"enforce_eagr": True}), "; did you mean enforce_eager?"),
+    # a load format the installed vLLM does not know (named in the config or in extra_args)
+    (lambda s: s["engine"].update(load_format="dumy"), "job.yaml: engine.load_format: 'dumy' is not a load format of vllm"),
+    (lambda s: s["engine"].update(load_format="dumy"), "; did you mean dummy?"),
+    (lambda s: s["engine"].update(extra_args={"load_format": "safetensor"}),
+     "job.yaml: engine.extra_args.load_format: 'safetensor' is not a load format of vllm"),
     # speculative_config keys vLLM does not have; a union's member name is not a key of the file
     (lambda s: s["engine"].update(speculative={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mx": 4}),
      "job.yaml: engine.speculative.prompt_lookup_mx: not a key of vLLM's speculative_config (vllm"),
@@ -616,3 +621,16 @@ def test_a_reference_that_leads_back_without_going_into_the_value_is_found(schem
     else:
         with pytest.raises(RecursionError):
             validator.is_valid(value)
+
+
+def test_a_load_format_vllm_knows_passes_in_any_case_and_a_plugin_may_add_one(make_job, monkeypatch):
+    from importlib import metadata
+
+    path = make_job()
+    assert load_job(path, ["engine.load_format=SafeTensors"]).engine.load_format == "SafeTensors"  # vLLM lowercases
+    with pytest.raises(SpecError):
+        load_job(path, ["engine.load_format=my_loader"])
+    # a vLLM plugin may register a loader of its own: the name is left to vLLM
+    plugin = metadata.EntryPoint("mine", "my_plugin:register", "vllm.general_plugins")
+    monkeypatch.setattr(metadata, "entry_points", lambda group=None, **kw: [plugin] if group == "vllm.general_plugins" else [])
+    assert load_job(path, ["engine.load_format=my_loader"]).engine.load_format == "my_loader"

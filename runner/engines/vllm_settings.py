@@ -91,14 +91,8 @@ def speculative_fields() -> Optional[frozenset[str]]:
 def _class_fields(module: str, name: str, init_args: bool = False) -> Optional[set[str]]:
     """A class's annotated fields in a file of the installed vLLM (or its __init__'s arguments)."""
     import ast
-    import importlib.util
 
-    try:
-        spec = importlib.util.find_spec("vllm")
-        source = Path(spec.origin).parent / module if spec and spec.origin else None
-        tree = ast.parse(source.read_text(encoding="utf-8")) if source else None
-    except (ImportError, OSError, SyntaxError, ValueError):
-        return None
+    tree = _vllm_source(module)
     for node in tree.body if tree else []:
         if isinstance(node, ast.ClassDef) and node.name == name:
             if not init_args:
@@ -107,6 +101,38 @@ def _class_fields(module: str, name: str, init_args: bool = False) -> Optional[s
                 if isinstance(f, ast.FunctionDef) and f.name == "__init__":
                     return {a.arg for a in f.args.args + f.args.kwonlyargs}
     return None
+
+
+def load_formats() -> Optional[frozenset[str]]:
+    """The load formats the installed vLLM knows (its LoadFormats), read from the source without
+    importing vLLM. None where they are not found where expected, or where a vLLM plugin from
+    another package is installed (it may register a loader of its own; vLLM's and the runner's do not)."""
+    import ast
+    from importlib import metadata
+
+    plugins = metadata.entry_points(group="vllm.general_plugins")
+    if any(not p.value.startswith(("vllm.", "runner.")) for p in plugins):
+        return None
+    tree = _vllm_source("model_executor/model_loader/__init__.py")
+    for node in tree.body if tree else []:
+        if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["LoadFormats"]
+                and isinstance(node.value, ast.Subscript) and isinstance(node.value.slice, ast.Tuple)):
+            names = {e.value for e in node.value.slice.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            return frozenset(names) or None
+    return None
+
+
+def _vllm_source(module: str):
+    """The parsed source of a file of the installed vLLM (None: not there)."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+        source = Path(spec.origin).parent / module if spec and spec.origin else None
+        return ast.parse(source.read_text(encoding="utf-8")) if source else None
+    except (ImportError, OSError, SyntaxError, ValueError):
+        return None
 
 
 def vllm_version() -> str:
