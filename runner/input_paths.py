@@ -73,13 +73,14 @@ def would_read(target: str, path: str, declared: Optional[str] = None) -> bool:
     """Whether a file at `target` (absolute, links resolved) would be among the files the input path
     names, were it there: one of its format's endings in a folder the input folder's walk reads
     (linked folders too) under a name that is not hidden, or matched by the glob as input_files
-    matches it (its existing leading folder taken as written)."""
-    if not os.path.basename(target).lower().endswith(_accepted_endings(declared)):
-        return False
+    matches it (its existing leading folder taken as written), whatever its ending: a glob reads
+    every file it names (`data/*` would then fail on a report.html)."""
     if any(ch in path for ch in "*?[") and not os.path.exists(path):
         literal = _existing_folder(path)
         return _glob_names(target, path, literal) or (
             any(ch in os.path.basename(literal) for ch in "*?[") and _glob_names(target, path, os.path.dirname(literal)))
+    if not os.path.basename(target).lower().endswith(_accepted_endings(declared)):
+        return False
     if os.path.isdir(path):
         parent, made = os.path.dirname(target), [os.path.basename(target)]
         while parent != os.path.dirname(parent) and not os.path.isdir(parent):  # folders the write would make

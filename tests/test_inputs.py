@@ -318,8 +318,8 @@ def test_nested_values_reach_the_prompt_as_json_not_python_repr(tmp_path):
 
 def test_the_export_guard_names_what_the_input_reads_and_nothing_else(tmp_path):
     """would_read (export -o's guard) against input_files: a file made at the target would be read
-    exactly when the guard says so. Holes found: a folder linked from inside the input folder, and
-    a glob below a folder whose name holds brackets; false alarms: a hidden name, a glob's subfolder."""
+    exactly when the guard says so. Holes found: a folder linked from inside the input folder, a
+    glob below a folder whose name holds brackets, a glob's file of another ending; false alarms: a hidden name, a glob's subfolder."""
     from runner.input_paths import input_files, would_read
 
     outside = tmp_path / "ext"
@@ -338,7 +338,9 @@ def test_the_export_guard_names_what_the_input_reads_and_nothing_else(tmp_path):
              (str(bracket / "*.parquet"), bracket / "e.parquet", True), (str(bracket / "*.parquet"), tmp_path / "e.parquet", False),
              # folders the export would make: a new hive partition is read, a hidden folder is not
              (str(data), data / "year=2025" / "x.parquet", True), (str(data), data / "_tmp" / "x.parquet", False),
-             (str(data / "gone.parquet"), data / "gone.parquet", True)]  # the input file, not there now
+             (str(data / "gone.parquet"), data / "gone.parquet", True),  # the input file, not there now
+             # a glob reads every file it names, of any ending (a report.html beside the data)
+             (str(data / "*"), data / "report.html", True), (str(data / "*.parquet"), data / "report.html", False)]
     for path, target, expected in cases:
         assert would_read(str(target.resolve()), path) is expected, (path, target)
         target.parent.mkdir(exist_ok=True)
