@@ -6,6 +6,7 @@ is loaded and checked. Every problem becomes one SpecError naming the file and t
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Sequence
 
@@ -282,10 +283,12 @@ def job_sources(path: str | Path, overrides: Sequence[str] = ()) -> Callable[[Pa
             files.update({Path(f).resolve(): "one of the job's input files" for f in input_files(*input_path)})
 
     def guard(target: Path) -> Optional[str]:
-        target = target.resolve()
+        given, target = Path(os.path.abspath(target)), target.resolve()
         if target in files:
             return files[target]
-        if input_path and would_read(str(target), *input_path):
+        # the link itself too: a write through a link in the input folder (dangling now, or to a
+        # file outside) leaves a file the next run reads there
+        if input_path and any(would_read(str(t), *input_path) for t in {target, given}):
             return "where the job's input.path reads its files: the next run would read it as input"
         return None
     return guard

@@ -348,3 +348,22 @@ def test_the_export_guard_names_what_the_input_reads_and_nothing_else(tmp_path):
         read = {os.path.realpath(f) for f in input_files(path)}
         assert (os.path.realpath(target) in read) is expected, (path, target, read)
         target.unlink()
+
+
+def test_a_write_through_a_link_in_the_input_folder_is_refused(make_job, tmp_path):
+    """A link in the input folder, dangling or to a file outside: writing there leaves a file the
+    next run reads through the link, so export -o and report -o refuse it as they refuse the folder."""
+    from runner.input_paths import input_files
+    from runner.spec import job_sources
+
+    job = make_job(rows=2)  # its input: data/docs.parquet; give it the folder instead
+    text = job.read_text().replace("data/docs.parquet", "data")
+    job.write_text(text)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (tmp_path / "data" / "gone.parquet").symlink_to(outside / "gone.parquet")  # dangling
+    guard = job_sources(job)
+    assert guard(tmp_path / "data" / "gone.parquet").startswith("where the job's input.path reads")
+    assert guard(outside / "other.parquet") is None
+    pq.write_table(pa.table({"id": ["a"]}), tmp_path / "data" / "gone.parquet")  # what the export would do
+    assert str(tmp_path / "data" / "gone.parquet") in input_files(str(tmp_path / "data"))
