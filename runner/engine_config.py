@@ -177,7 +177,12 @@ class EngineConfig(Strict):
     @property
     def needs_weights(self) -> bool:
         """False when vLLM fills random weights (load_format: dummy), so a config-only folder loads."""
-        return (self.load_format or self.extra_args.get("load_format")) != "dummy"
+        return str(self.loaded_as or "").lower() != "dummy"  # vLLM lowercases it
+
+    @property
+    def loaded_as(self) -> Optional[str]:
+        """The load_format vLLM gets: extra_args' over the field (extra_args go last)."""
+        return self.extra_args.get("load_format", self.load_format)
 
 
 def _section(annotation: Any) -> bool:

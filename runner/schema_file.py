@@ -51,8 +51,8 @@ def _load_schema(path: Path, where: str) -> dict[str, Any]:
     if looping is not None:
         where, ref = looping
         raise SpecError(f"{path}: {where}: $ref {ref!r} leads back to itself without going into the value "
-                        f"(through references, allOf, anyOf, oneOf, not, if/then/else): no value can be checked "
-                        f"against it")
+                        f"(through references, anchors, allOf, anyOf, oneOf, not, if/then/else, dependentSchemas): "
+                        f"checking a value there would recurse without end")
     impossible = next(unsatisfiable(schema), None)
     if impossible is not None:
         where, why = impossible

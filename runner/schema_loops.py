@@ -1,7 +1,7 @@
 """References in the output schema that lead back to where they were reached from without going
-into the value: through `$ref` and the keywords that apply a subschema to the same value (allOf,
-anyOf, oneOf, not, if/then/else, dependentSchemas). No value can be checked against such a schema:
-every check recurses until Python's stack runs out. A reference reached through properties or
+into the value: through `$ref` (or an `$anchor`) and the keywords that apply a subschema to the
+same value (allOf, anyOf, oneOf, not, if/then/else, dependentSchemas, dependencies). Checking a
+value that reaches such a loop recurses until Python's stack runs out. A reference reached through properties or
 items is fine (a tree's node refers to itself for its children)."""
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ Edge = tuple[Path, Optional[tuple[str, str]]]  # (where it goes, (the reference'
 
 def looping_refs(schema: Any) -> Iterator[tuple[str, str]]:
     """(location, reference) of a reference that closes such a loop: the first found, then stops.
-    Documents with a nested `$id` (references relative to it) are left to the validator."""
-    if not isinstance(schema, dict) or _has_nested_id(schema):
+    References below a nested `$id` (relative to it) are left to the validator."""
+    if not isinstance(schema, dict):
         return
-    anchors = dict(_anchor_paths(schema))
+    anchors: dict[str, Path] = {}
+    for name, where in _anchor_paths(schema):
+        anchors.setdefault(name, where)  # as jsonschema: the first of a name
     walk = _Walk(schema, anchors)
     for start in walk.ref_targets(schema, ()):
         found = walk.from_start(start)
@@ -34,6 +36,9 @@ class _Walk:
     def __init__(self, schema: dict, anchors: dict[str, Path]):
         self.schema, self.anchors = schema, anchors
         self.state: dict[Path, bool] = {}  # True: on the current path; False: done, no loop below
+        self.id_roots = {where for node, where in _schemas(schema, ()) if where and isinstance(node.get("$id"), str)}
+        # before draft 2019-09 a $ref's siblings are ignored: only the reference applies
+        self.ref_alone = any(f"draft-0{n}" in str(schema.get("$schema", "")) for n in range(3, 8))
 
     def from_start(self, start: Path) -> Optional[tuple[str, str]]:
         if start in self.state:
@@ -60,18 +65,22 @@ class _Walk:
         node = _at(self.schema, path)
         if not isinstance(node, dict):
             return
+        relative = any(path[:i] in self.id_roots for i in range(1, len(path) + 1))  # to a nested $id
         for key in _REFS:
-            target = self.target(node.get(key))
+            target = None if relative else self.target(node.get(key))
             if target is not None:
                 yield target, (_location(path + (key,)), node[key])
+        if self.ref_alone and isinstance(node.get("$ref"), str):
+            return
         for key in _LISTS:
             if isinstance(node.get(key), list):
                 yield from ((path + (key, str(i)), None) for i in range(len(node[key])))
-        for key in _ONE:
-            if isinstance(node.get(key), dict):
+        for key in _ONE:  # then and else apply only beside an if
+            if isinstance(node.get(key), dict) and (key in ("not", "if") or "if" in node):
                 yield path + (key,), None
-        if isinstance(node.get("dependentSchemas"), dict):
-            yield from ((path + ("dependentSchemas", name), None) for name in node["dependentSchemas"])
+        for key in ("dependentSchemas", "dependencies"):  # dependencies: a name's schema (before 2019-09)
+            if isinstance(node.get(key), dict):
+                yield from ((path + (key, name), None) for name, sub in node[key].items() if isinstance(sub, dict))
 
     def target(self, ref: Any) -> Optional[Path]:
         """Where a local reference points (None: not local, or nothing there)."""
@@ -120,7 +129,7 @@ def _schemas(node: Any, path: Path, names: bool = False) -> Iterator[tuple[dict,
             yield from _schemas(value, path + (str(i),))
 
 
-_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 
 
 def _anchor_paths(schema: Any) -> Iterator[tuple[str, Path]]:
@@ -128,10 +137,6 @@ def _anchor_paths(schema: Any) -> Iterator[tuple[str, Path]]:
         for key in ("$anchor", "$dynamicAnchor"):
             if isinstance(node.get(key), str):
                 yield node[key], where
-
-
-def _has_nested_id(schema: dict) -> bool:
-    return any(isinstance(node.get("$id"), str) for node, where in _schemas(schema, ()) if where)
 
 
 def _location(path: Path) -> str:

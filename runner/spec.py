@@ -283,7 +283,9 @@ def job_sources(path: str | Path, overrides: Sequence[str] = ()) -> Callable[[Pa
             files.update({Path(f).resolve(): "one of the job's input files" for f in input_files(*input_path)})
 
     def guard(target: Path) -> Optional[str]:
-        given, target = Path(os.path.abspath(target)), target.resolve()
+        absolute = os.path.abspath(target)  # the link itself, in its folder's real place
+        given = Path(os.path.realpath(os.path.dirname(absolute))) / os.path.basename(absolute)
+        target = target.resolve()
         if target in files:
             return files[target]
         # the link itself too: a write through a link in the input folder (dangling now, or to a

@@ -29,7 +29,7 @@ def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Pat
         raise OutputFileError(f"{path}: is the results database being read: give another file")
     if reading is not None and _beside_database(target, reading):  # a run's lock (one run at a time) or log
         raise OutputFileError(f"{path}: is a job's lock or engine log beside the results database: give another file")
-    what = keep(target) if keep else None
+    what = keep(Path(os.path.abspath(path))) if keep else None  # links unresolved: keep checks both
     if what:  # `-o job.yaml`, `-o data/docs.parquet`: the job would be lost, or read its results as input
         raise OutputFileError(f"{path}: is {what}: give another file")
     try:

@@ -353,8 +353,10 @@ def test_the_export_guard_names_what_the_input_reads_and_nothing_else(tmp_path):
 def test_a_write_through_a_link_in_the_input_folder_is_refused(make_job, tmp_path):
     """A link in the input folder, dangling or to a file outside: writing there leaves a file the
     next run reads through the link, so export -o and report -o refuse it as they refuse the folder."""
+    from runner.errors import OutputFileError
     from runner.input_paths import input_files
     from runner.spec import job_sources
+    from runner.whole_file import write_whole
 
     job = make_job(rows=2)  # its input: data/docs.parquet; give it the folder instead
     text = job.read_text().replace("data/docs.parquet", "data")
@@ -365,5 +367,12 @@ def test_a_write_through_a_link_in_the_input_folder_is_refused(make_job, tmp_pat
     guard = job_sources(job)
     assert guard(tmp_path / "data" / "gone.parquet").startswith("where the job's input.path reads")
     assert guard(outside / "other.parquet") is None
-    pq.write_table(pa.table({"id": ["a"]}), tmp_path / "data" / "gone.parquet")  # what the export would do
+    with pytest.raises(OutputFileError, match="gone.parquet: is where the job's input.path reads"):
+        write_whole(tmp_path / "data" / "gone.parquet", lambda p: p.write_text(""), keep=guard)  # as export -o
+    assert not (outside / "gone.parquet").exists()
+    pq.write_table(pa.table({"id": ["a"]}), tmp_path / "data" / "gone.parquet")  # what the export would have done
     assert str(tmp_path / "data" / "gone.parquet") in input_files(str(tmp_path / "data"))
+    # a glob input reached through a linked folder: the link's real place is what the glob names
+    (tmp_path / "via").symlink_to(tmp_path)
+    globbed = job_sources(job, ["input.path=data/*.parquet"])
+    assert globbed(tmp_path / "via" / "data" / "new.parquet") is not None

@@ -79,6 +79,9 @@ def test_real_sample_job_is_valid():
     (lambda s: s["engine"].update(load_format="dumy"), "; did you mean dummy?"),
     (lambda s: s["engine"].update(extra_args={"load_format": "safetensor"}),
      "job.yaml: engine.extra_args.load_format: 'safetensor' is not a load format of vllm"),
+    # extra_args go to vLLM last: theirs is the one it gets
+    (lambda s: s["engine"].update(load_format="dummy", extra_args={"load_format": "dumy"}),
+     "job.yaml: engine.extra_args.load_format: 'dumy' is not a load format"),
     # speculative_config keys vLLM does not have; a union's member name is not a key of the file
     (lambda s: s["engine"].update(speculative={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mx": 4}),
      "job.yaml: engine.speculative.prompt_lookup_mx: not a key of vLLM's speculative_config (vllm"),
@@ -605,6 +608,16 @@ def test_a_schema_file_that_json_would_read_loosely_is_refused(make_job, tmp_pat
     ({"dependentSchemas": {"a": {"$ref": "#"}}}, {"a": 1}, ("#/dependentSchemas/a/$ref", "#")),
     ({"$defs": {"a/b": {"if": {"$ref": "#/$defs/a~1b"}}}, "properties": {"x": {"$ref": "#/$defs/a~1b"}}}, {"x": 1},
      ("#/$defs/a~1b/if/$ref", "#/$defs/a~1b")),
+    # a nested $id elsewhere leaves the loop outside it found
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}, "b": {"$id": "http://x/b"}}, "properties": {"x": {"$ref": "#/$defs/a"}}},
+     {"x": 1}, ("#/$defs/a/$ref", "#/$defs/a")),
+    # then without an if does nothing; before 2019-09 a $ref's siblings are ignored
+    ({"$defs": {"a": {"then": {"$ref": "#/$defs/a"}}}, "properties": {"x": {"$ref": "#/$defs/a"}}}, {"x": 1}, None),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {
+        "a": {"$ref": "#/definitions/s", "allOf": [{"$ref": "#/definitions/a"}]}, "s": {"type": "string"}},
+      "properties": {"x": {"$ref": "#/definitions/a"}}}, {"x": "y"}, None),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "dependencies": {"a": {"$ref": "#"}, "b": ["a"]}},
+     {"a": 1}, ("#/dependencies/a/$ref", "#")),
 ])
 def test_a_reference_that_leads_back_without_going_into_the_value_is_found(schema, value, loop):
     """Each loop found is one jsonschema recurses on without end for the value given; each schema
@@ -615,7 +628,7 @@ def test_a_reference_that_leads_back_without_going_into_the_value_is_found(schem
 
     schema = {"type": "object"} | schema
     assert next(looping_refs(schema), None) == loop
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = jsonschema.validators.validator_for(schema)(schema)  # its $schema's draft
     if loop is None:
         assert validator.is_valid(value)
     else:
@@ -628,6 +641,7 @@ def test_a_load_format_vllm_knows_passes_in_any_case_and_a_plugin_may_add_one(ma
 
     path = make_job()
     assert load_job(path, ["engine.load_format=SafeTensors"]).engine.load_format == "SafeTensors"  # vLLM lowercases
+    assert not load_job(path, ["engine.load_format=DUMMY"]).engine.needs_weights  # a config-only folder loads
     with pytest.raises(SpecError):
         load_job(path, ["engine.load_format=my_loader"])
     # a vLLM plugin may register a loader of its own: the name is left to vLLM
