@@ -8,7 +8,6 @@ from typing import Any
 
 from runner.errors import SpecError
 from runner.fast_schema import is_number
-from runner.schema_loops import looping_refs
 
 
 def load_schema(path: Path, where: str) -> dict[str, Any]:
@@ -47,6 +46,8 @@ def _load_schema(path: Path, where: str) -> dict[str, Any]:
         where, ref = dangling
         raise SpecError(f"{path}: {where}: $ref {ref!r} points to nothing in the file (vLLM would refuse every "
                         f"row's grammar)")
+    from runner.schema_loops import looping_refs  # it reads pointers with this module's helpers
+
     looping = next(looping_refs(schema), None)
     if looping is not None:
         where, ref = looping
@@ -183,12 +184,21 @@ NOTHING = object()
 def pointed(schema: Any, ref: str) -> Any:
     """What a `#/...` pointer finds in the document, or NOTHING (as jsonschema resolves it; the
     export follows a field's `$ref` the same way)."""
+    return at(schema, pointer_parts(ref))
+
+
+def pointer_parts(ref: str) -> tuple[str, ...]:
+    """A `#/...` pointer's parts as jsonschema reads them: the fragment percent-decoded whole, then
+    split, then ~1 and ~0."""
     from urllib.parse import unquote
 
+    return tuple(p.replace("~1", "/").replace("~0", "~") for p in unquote(ref[1:]).split("/")[1:])
+
+
+def at(schema: Any, parts: tuple[str, ...]) -> Any:
+    """The node at these pointer parts, or NOTHING."""
     node = schema
-    # as jsonschema reads it: the fragment percent-decoded whole, then split, then ~1 and ~0
-    for part in unquote(ref[1:]).split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
+    for part in parts:
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):

@@ -1,17 +1,17 @@
 """References in the output schema that lead back to where they were reached from without going
 into the value: through `$ref` (or an `$anchor`) and the keywords that apply a subschema to the
 same value (allOf, anyOf, oneOf, not, if/then/else, dependentSchemas, dependencies). Checking a
-value that reaches such a loop recurses until Python's stack runs out. A reference reached through properties or
-items is fine (a tree's node refers to itself for its children)."""
+value that reaches such a loop recurses until Python's stack runs out. A reference reached through
+properties or items is fine (a tree's node refers to itself for its children)."""
 from __future__ import annotations
 
 from typing import Any, Iterator, Optional
-from urllib.parse import unquote
 
-_REFS = ("$ref", "$dynamicRef", "$recursiveRef")
+from runner.schema_file import _DATA_KEYS, _NAME_MAPS, _REF_KEYS, NOTHING, at, pointer_parts
+
 _LISTS = ("allOf", "anyOf", "oneOf")  # each subschema applies to the same value
 _ONE = ("not", "if", "then", "else")
-_DATA = ("examples", "default", "const", "enum")  # instances, not schemas
+_MAPS = _NAME_MAPS + ("dependencies",)  # a name's schema before 2019-09 (or a list of names)
 Path = tuple[str, ...]
 Edge = tuple[Path, Optional[tuple[str, str]]]  # (where it goes, (the reference's location, the reference) or None)
 
@@ -62,11 +62,11 @@ class _Walk:
         return None
 
     def edges(self, path: Path) -> Iterator[Edge]:
-        node = _at(self.schema, path)
+        node = at(self.schema, path)
         if not isinstance(node, dict):
             return
         relative = any(path[:i] in self.id_roots for i in range(1, len(path) + 1))  # to a nested $id
-        for key in _REFS:
+        for key in _REF_KEYS:
             target = None if relative else self.target(node.get(key))
             if target is not None:
                 yield target, (_location(path + (key,)), node[key])
@@ -87,33 +87,17 @@ class _Walk:
         if not isinstance(ref, str) or not ref.startswith("#"):
             return None
         if ref == "#" or ref.startswith("#/"):
-            # as jsonschema reads a pointer: percent-decoded whole, split, then ~1 and ~0
-            path = tuple(p.replace("~1", "/").replace("~0", "~") for p in unquote(ref[1:]).split("/")[1:])
-            return path if _at(self.schema, path) is not _MISSING else None
+            path = pointer_parts(ref)
+            return path if at(self.schema, path) is not NOTHING else None
         return self.anchors.get(ref[1:])
 
     def ref_targets(self, node: Any, path: Path) -> Iterator[Path]:
         """Where every local reference in the document points, in document order."""
         for sub, sub_path in _schemas(node, path):
-            for key in _REFS:
+            for key in _REF_KEYS:
                 target = self.target(sub.get(key))
                 if target is not None:
                     yield target
-
-
-_MISSING = object()
-
-
-def _at(schema: Any, path: Path) -> Any:
-    node = schema
-    for part in path:
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return _MISSING
-    return node
 
 
 def _schemas(node: Any, path: Path, names: bool = False) -> Iterator[tuple[dict, Path]]:
@@ -122,14 +106,11 @@ def _schemas(node: Any, path: Path, names: bool = False) -> Iterator[tuple[dict,
         if not names:
             yield node, path
         for key, value in node.items():
-            if names or key not in _DATA:
-                yield from _schemas(value, path + (key,), names=not names and key in _NAME_MAPS)
+            if names or key not in _DATA_KEYS:
+                yield from _schemas(value, path + (key,), names=not names and key in _MAPS)
     elif isinstance(node, list):
         for i, value in enumerate(node):
             yield from _schemas(value, path + (str(i),))
-
-
-_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 
 
 def _anchor_paths(schema: Any) -> Iterator[tuple[str, Path]]:
