@@ -24,7 +24,7 @@ def _open_store(job, db, overrides=()):
     if overrides and not job:
         raise SpecError("--set changes a job's settings: give it with --job JOB, not --db")
     if job:
-        from runner.spec import job_results
+        from runner.unloaded_job import job_results
 
         db, job_name = job_results(job, overrides)  # results only: the schema and engine config may be gone
     if not db:
@@ -159,9 +159,9 @@ def _write_text(path: Path, text: str, reading: Path, keep) -> None:
 
 
 def _job_sources(job, overrides):
-    """The test of what of the job given with --job a path is (spec.job_sources; None without
+    """The test of what of the job given with --job a path is (unloaded_job.job_sources; None without
     --job): an export or report is not written over the job's own files."""
-    from runner.spec import job_sources
+    from runner.unloaded_job import job_sources
 
     return job_sources(job, overrides) if job else None
 

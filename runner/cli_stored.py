@@ -32,7 +32,8 @@ def status(job, overrides):
     from runner.fingerprint import changed_parts, result_fingerprint
     from runner.models import missing_model
     from runner.lock import holder
-    from runner.spec import job_results, load_job
+    from runner.spec import load_job
+    from runner.unloaded_job import job_results
 
     check_stdout()  # what is stored is the output: closed, an error
     try:
@@ -112,7 +113,7 @@ def prune(job, keep_versions, dry_run, wait, overrides):
     """
     from runner.cli_results import _open_store
     from runner.errors import NotFound
-    from runner.spec import job_results
+    from runner.unloaded_job import job_results
 
     if dry_run:
         check_stdout()  # the count is the output; a real prune does its work and says nothing

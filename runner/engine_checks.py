@@ -91,8 +91,7 @@ def _check_load_format(engine: EngineConfig, where: EngineSettingSource) -> None
 
     from runner.engines.vllm_settings import load_formats, vllm_version
 
-    field = "extra_args.load_format" if "load_format" in engine.extra_args else "load_format"
-    value = engine.loaded_as
+    field, value = engine.load_format_setting
     known = load_formats() if isinstance(value, str) else None
     if known and value.lower() not in known:  # vLLM lowercases it
         close = difflib.get_close_matches(value.lower(), sorted(known), n=1)

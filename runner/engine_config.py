@@ -181,8 +181,16 @@ class EngineConfig(Strict):
 
     @property
     def loaded_as(self) -> Optional[str]:
-        """The load_format vLLM gets: extra_args' over the field (extra_args go last)."""
-        return self.extra_args.get("load_format", self.load_format)
+        """The load_format vLLM gets."""
+        return self.load_format_setting[1]
+
+    @property
+    def load_format_setting(self) -> tuple[str, Optional[str]]:
+        """(the setting that gives the load_format vLLM gets, its value): extra_args' over the
+        field's, since extra_args go to vLLM last."""
+        if "load_format" in self.extra_args:
+            return "extra_args.load_format", self.extra_args["load_format"]
+        return "load_format", self.load_format
 
 
 def _section(annotation: Any) -> bool:

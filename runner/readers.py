@@ -216,7 +216,7 @@ class RayDataReader(Reader):
 
     def __init__(self, input_path: str, spec: InputSpec, job):
         super().__init__(input_path, spec)
-        from runner.engines.ray import ensure_ray
+        from runner.engines.ray_cluster import ensure_ray
 
         self.ray = ensure_ray(job)  # here, in the caller's thread: Ray must not start in the reader's thread
 

@@ -102,7 +102,7 @@ def shared_name(store: Store, job: Job, fingerprint: str) -> Optional[str]:
     import json
 
     from runner.errors import SpecError
-    from runner.spec import job_results
+    from runner.unloaded_job import job_results
 
     last = store.latest_runs(job.name)
     if not last or not last[0]["job_path"]:

@@ -154,3 +154,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SpecError(f"{path}: (top level): expected a mapping of keys, got {type(data).__name__}")
     return data
+
+
+def resolve_relative(base: Path, rel: str) -> Path:
+    """A path the job gives, relative to its folder `base` unless absolute (`~` expanded)."""
+    p = Path(rel).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()

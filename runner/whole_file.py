@@ -23,7 +23,7 @@ def write_whole(path: Path, write: Callable[[Path], None], reading: Optional[Pat
     (a pipe, `/dev/stdout`, a device) is written into as it is. `reading` (the results database the
     rows come from) is refused as the path; `check` runs before the file replaces the old one (a read
     that may be mixed leaves it as it was); so is a path `keep` names (what of the job's own it is:
-    spec.job_sources). Exports and reports; an OutputFileError names the path."""
+    unloaded_job.job_sources). Exports and reports; an OutputFileError names the path."""
     target = Path(os.path.realpath(path))
     if reading is not None and _same_database(target, reading):
         raise OutputFileError(f"{path}: is the results database being read: give another file")

@@ -172,7 +172,7 @@ RAY_DRIVER = """
 import functools, json, sys, types
 from runner import bytecode
 bytecode.use_cache = functools.partial(bytecode.use_cache, packages=["bare"])  # `bare` stands for vLLM
-from runner.engines.ray import ensure_ray
+from runner.engines.ray_cluster import ensure_ray
 ray_cfg = types.SimpleNamespace(address=sys.argv[1] or None, env=json.loads(sys.argv[2]))
 ensure_ray(types.SimpleNamespace(spec=types.SimpleNamespace(ray=ray_cfg)))
 import ray

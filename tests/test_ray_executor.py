@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from runner.engines.fake import FakeEngine
-from runner.engines.ray import GroupRouter, LocalCluster, RayEngine
+from runner.engines.ray import GroupRouter, RayEngine
+from runner.engines.ray_cluster import LocalCluster
 from runner.run import run_job
 from runner.spec import load_job
 from tests.conftest import SCHEMA
@@ -229,7 +230,7 @@ def test_vllms_check_is_put_back_when_its_start_fails(monkeypatch):
     ({}, False, None),  # a replica in the caller's process (LocalCluster) leaves its environment alone
 ])
 def test_a_replica_asks_vllm_for_the_jobs_method_in_its_own_process(make_job, monkeypatch, ray, own_process, expected):
-    from runner.engines.ray import EngineReplica
+    from runner.engines.ray_cluster import EngineReplica
 
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)  # put back after the test
     job = load_job(make_job(rows=2, job={"ray": {"replicas": 1} | ray}))
@@ -391,7 +392,7 @@ def test_a_wait_for_a_replica_is_cut_into_polls_so_a_signal_ends_it():
     run waiting for a replica. Every wait is bounded, and the call's value still comes back."""
     import types
 
-    from runner.engines.ray import RayCluster
+    from runner.engines.ray_cluster import RayCluster
 
     class Timeout(Exception):
         pass

@@ -125,7 +125,8 @@ def test_replicas_each_pace_from_the_stored_lengths(make_job):
     """executor: ray (in-process cluster, fake replicas): the choice a local run stored is reused,
     and every replica gets its slice's lengths."""
     from runner.engines.fake import FakeEngine
-    from runner.engines.ray import LocalCluster, RayEngine
+    from runner.engines.ray import RayEngine
+    from runner.engines.ray_cluster import LocalCluster
 
     job = auto_job(make_job)
     clock, started, factory = harness(start_s=30.0)

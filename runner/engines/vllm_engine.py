@@ -19,6 +19,7 @@ from runner.engines.admission import KvBudget
 from runner.engines.base import Completion, Engine, EngineCounters, EngineInfo, Request
 from runner.engines.core_start import forked_core_in_ray_actor
 from runner.engines.feed import Admitted, Feed
+from runner.engines.loop_stats import LoopStats
 from runner.engines.vllm_settings import (core_in_this_process, engine_counters, gauge, graphs_of_mixed_steps,
                                           llm_kwargs, offline_environment, resolve_grammar, sampling_params)
 from runner.errors import EngineError, ModelError, RunnerError
@@ -89,13 +90,7 @@ class VllmEngine(Engine):
         self.start = {"import_wait_s": round(t1 - t0, 3), "llm_init_s": round(time.perf_counter() - t1, 3),
                       "bytecode_cache": bytecode_state()} | ({"engine_core_start": core_start}
                                                              if core_start["method"] else {})
-        # Where the driver's time goes (stored with the run's stats): waiting on the engine core in
-        # step(), adding requests, and the caller's own work between polls.
-        self.loop = {"steps": 0, "step_wait_s": 0.0, "add_request_s": 0.0, "between_polls_s": 0.0,
-                     "max_in_flight_seen": 0, "in_flight_step_sum": 0, "held_step_sum": 0,
-                     # vLLM's KV usage against the runner's own count, sampled with the metrics scan
-                     # while requests are in flight: how much of the cache admission leaves unused
-                     "kv_samples": 0, "kv_usage_sum": 0.0, "kv_usage_max": 0.0, "kv_counted_sum": 0.0}
+        self.loop = LoopStats()
         self.info = EngineInfo(backend="vllm", version=vllm.__version__, kv_total_blocks=self.kv_blocks,
                                settings={k: v for k, v in kw.items() if k != "model"}
                                | {"max_in_flight": max_in_flight, "warm_prefix": cfg.warm_prefix,
@@ -146,7 +141,7 @@ class VllmEngine(Engine):
 
     def poll(self) -> list[Completion]:
         t0 = time.perf_counter()
-        self.loop["between_polls_s"] += t0 - self._last_poll
+        self.loop.add("between_polls_s", t0 - self._last_poll)
         out = self._send(self.feed.to_send())
         if self.feed.in_flight:
             out += self._step()
@@ -175,8 +170,8 @@ class VllmEngine(Engine):
             if a.leader:
                 self._deltas[rid] = ([], [])
             self.feed.sent(rid, a)
-        self.loop["add_request_s"] += time.perf_counter() - t0
-        self.loop["max_in_flight_seen"] = max(self.loop["max_in_flight_seen"], len(self.feed.in_flight))
+        self.loop.add("add_request_s", time.perf_counter() - t0)
+        self.loop.sent(len(self.feed.in_flight))
         return refused
 
     def _step(self) -> list[Completion]:
@@ -187,13 +182,10 @@ class VllmEngine(Engine):
             raise
         except Exception as exc:
             raise EngineError(f"vLLM engine failed: {exc.__class__.__name__}: {exc}") from None
-        self.loop["steps"] += 1
-        # Per-step sums: their means say how full the engine was kept (sent) and what waited for a leader.
-        self.loop["in_flight_step_sum"] += len(self.feed.in_flight)
-        self.loop["held_step_sum"] += self.feed.held()
+        self.loop.stepped(len(self.feed.in_flight), self.feed.held())
         self.budget.tick()
         metrics = self._check_preemptions()
-        self.loop["step_wait_s"] += time.perf_counter() - t0
+        self.loop.add("step_wait_s", time.perf_counter() - t0)
         done = []
         for out in outputs:
             rid = out.request_id if out.request_id in self.feed.in_flight else self._internal.get(out.request_id)
@@ -235,12 +227,8 @@ class VllmEngine(Engine):
         drafts, where the projection is off, the count is not kept)."""
         usage = gauge(metrics, "vllm:kv_cache_usage_perc")
         if usage is not None and self.feed.in_flight and self.budget.total_blocks:
-            self.loop["kv_samples"] += 1
-            self.loop["kv_usage_sum"] += usage
-            self.loop["kv_usage_max"] = max(self.loop["kv_usage_max"], usage)
             held = self.budget.blocks_held() if self.budget.project else None
-            if held is not None:
-                self.loop["kv_counted_sum"] += held / self.budget.total_blocks
+            self.loop.kv_sample(usage, None if held is None else held / self.budget.total_blocks)
             waiting = gauge(metrics, "vllm:num_requests_waiting")
             if waiting is not None:  # without the gauge, no sample: a queue would mislead it
                 self.budget.observe_usage(usage, int(waiting), held)
@@ -281,14 +269,7 @@ class VllmEngine(Engine):
 
     def adaptation(self) -> dict:
         """What the engine adapted while running (KV admission), and where the driver's time went."""
-        loop = {k: round(v, 3) if isinstance(v, float) else v for k, v in self.loop.items()}
-        steps = max(self.loop["steps"], 1)
-        n = loop["kv_samples"]  # 0: no KV budget, or no scan while requests were in flight
-        usage, counted = loop.pop("kv_usage_sum"), loop.pop("kv_counted_sum")
-        loop |= {"mean_in_flight": round(self.loop["in_flight_step_sum"] / steps, 1),
-                 "mean_held": round(self.loop["held_step_sum"] / steps, 1),
-                 "mean_kv_usage": round(usage / n, 3) if n else None,
-                 "mean_kv_counted": round(counted / n, 3) if n and self.budget.project else None}
+        loop = self.loop.summary(counted=self.budget.project)
         return self.budget.describe() | self.feed.cadence.describe() | {
             "start": self.start, "loop": loop, "grammar_masks": grammar_masks.read_report(self._masks_report)}
 
