@@ -92,15 +92,35 @@ def would_read(target: str, path: str, declared: Optional[str] = None) -> bool:
 
 
 def _glob_names(target: str, path: str, literal: str) -> bool:
-    """Whether _globbed(path, literal) would name `target`."""
+    """Whether _globbed(path, literal) would name `target`: by its path below the glob's folder, or
+    through a folder the glob names that is a link elsewhere (`data/*/x.parquet` with data/ext ->
+    /mnt/ext reads /mnt/ext/x.parquet)."""
+    root = max(_fixed_part(path), literal, key=len)
+    named = {part[0] for part in Path(os.path.relpath(path, root)).parts if part.startswith(("_", "."))}
     base = os.path.realpath(literal) if literal else os.sep
     relative = os.path.relpath(target, base)
     pattern = os.path.relpath(path, literal) if literal else path.lstrip(os.sep)
-    if relative.startswith(os.pardir) or not _parts_match(Path(pattern).parts, Path(relative).parts):
-        return False
-    root = max(_fixed_part(path), literal, key=len)
-    named = {part[0] for part in Path(os.path.relpath(path, root)).parts if part.startswith(("_", "."))}
-    return not _hidden(os.path.relpath(target, os.path.realpath(root)), named)
+    if not relative.startswith(os.pardir) and _parts_match(Path(pattern).parts, Path(relative).parts):
+        return not _hidden(os.path.relpath(target, os.path.realpath(root)), named)
+    return any(not _hidden(os.path.relpath(os.path.join(folder, os.path.basename(target)), root), named)
+               for folder in _linked_glob_folders(target, path, literal))
+
+
+def _linked_glob_folders(target: str, path: str, literal: str) -> Iterator[str]:
+    """The folders, as the glob names them, through which a file of target's name would be globbed
+    from target's real folder (only through a link: other folders are _glob_names' own test)."""
+    pattern = os.path.join(glob.escape(literal), os.path.relpath(path, literal)) if literal else path
+    head, tail = os.path.split(pattern)
+    if tail == "**":  # any file below: every folder the glob goes through
+        head, tail = pattern, "*"
+    if not fnmatch.fnmatchcase(os.path.basename(target), tail):
+        return
+    parent = os.path.realpath(os.path.dirname(target))
+    folders = glob.glob(os.path.join(head, ""), recursive=True) if glob.has_magic(head) else [head]
+    for folder in folders:
+        folder = folder.rstrip(os.sep) or os.sep
+        if os.path.isdir(folder) and os.path.realpath(folder) == parent:
+            yield folder
 
 
 def _parts_match(pattern: tuple, parts: tuple) -> bool:

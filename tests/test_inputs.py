@@ -340,7 +340,11 @@ def test_the_export_guard_names_what_the_input_reads_and_nothing_else(tmp_path):
              (str(data), data / "year=2025" / "x.parquet", True), (str(data), data / "_tmp" / "x.parquet", False),
              (str(data / "gone.parquet"), data / "gone.parquet", True),  # the input file, not there now
              # a glob reads every file it names, of any ending (a report.html beside the data)
-             (str(data / "*"), data / "report.html", True), (str(data / "*.parquet"), data / "report.html", False)]
+             (str(data / "*"), data / "report.html", True), (str(data / "*.parquet"), data / "report.html", False),
+             # a glob's folder that is a link to a folder outside: its files are read there
+             (str(data / "*" / "*.parquet"), outside / "g.parquet", True), (str(data / "*" / "*.parquet"), outside / "g.txt", False),
+             (str(data / "**" / "*.parquet"), outside / "g.parquet", True), (str(data / "e?t" / "*"), outside / "g.txt", True),
+             (str(data / "*" / "*.parquet"), outside / "_g.parquet", False)]
     for path, target, expected in cases:
         assert would_read(str(target.resolve()), path) is expected, (path, target)
         target.parent.mkdir(exist_ok=True)
