@@ -252,15 +252,20 @@ def make_reader(job) -> Reader:
 
 
 def _blank(file: str) -> bool:
-    """An input file with no header and no rows: 0 bytes, or nothing but a byte-order mark and a few
-    line ends (up to 4 KiB), compressed or not (what a tool writes when its export found nothing)."""
+    """An input file with no header and no rows: 0 bytes, or nothing but a byte-order mark and line
+    ends, compressed or not (what a tool writes when its export found nothing). Read until its
+    first other byte: a file with rows stops at its first chunk."""
     if os.path.getsize(file) == 0:
         return True
     import pyarrow as pa
 
     try:
         with pa.input_stream(file, compression="detect") as stream:
-            head = stream.read(4097)
+            chunk = stream.read(1 << 16).removeprefix(b"\xef\xbb\xbf")
+            while chunk:
+                if chunk.strip(b"\r\n"):
+                    return False
+                chunk = stream.read(1 << 16)
     except Exception:  # not readable as its name says: the CSV reader names the problem
         return False
-    return len(head) <= 4096 and not head.removeprefix(b"\xef\xbb\xbf").strip(b"\r\n")
+    return True

@@ -41,7 +41,7 @@ def test_csv_keeps_ids_as_written_text_across_lines_and_empty_cells_as_missing(m
 def test_an_empty_csv_file_in_a_folder_holds_no_rows_as_an_empty_jsonl_file_does(make_job, tmp_path):
     """A 0-byte CSV beside others (an export that found nothing today) was "corrupt or unreadable"
     and stopped the whole job, as one with only a byte-order mark or a line end, or compressed, still
-    was; a folder of nothing but empty files still has no rows."""
+    was (or more than 4 KiB of line ends); a folder of nothing but empty files still has no rows."""
     folder = tmp_path / "in"
     folder.mkdir()
     (folder / "a.csv").write_text("id,text,system_prompt\n1,a,S\n")
@@ -51,6 +51,8 @@ def test_an_empty_csv_file_in_a_folder_holds_no_rows_as_an_empty_jsonl_file_does
     import gzip
     (folder / "e.csv.gz").write_bytes(gzip.compress(b"\n"))
     (folder / "f.csv.gz").write_bytes(gzip.compress(b""))
+    (folder / "g.csv").write_bytes(b"\r\n" * 70_000)  # more line ends than one read holds
+    (folder / "h.csv.gz").write_bytes(gzip.compress(b"\xef\xbb\xbf" + b"\n" * 140_000))
     job = make_job()
     out = invoke("run", "--engine", "fake", "--quiet", "--set", "input.path=in", job)
     assert out.exit_code == 0, out.output
