@@ -17,6 +17,7 @@ from runner.engines import Completion, Request
 from runner.outputs import OutputChecker, retry_tokens
 from runner.requests import RequestBuilder
 from runner.rows import STATUSES, ResultRow, Status
+from runner.signals import stops_deferred
 from runner.spec import Job
 from runner.store import Store
 
@@ -130,9 +131,10 @@ class ResultCollector:
         if self.buffer or self.samples:
             self._sample(self.clock())  # every commit also marks a point on the throughput curve
         t0 = time.perf_counter()
-        self.store.write_results(self.buffer, self.samples)
+        with stops_deferred():  # committed and let go of together: a stop between stored them twice
+            self.store.write_results(self.buffer, self.samples)
+            self.buffer, self.samples = [], []
         self.timers["store_s"] += time.perf_counter() - t0
-        self.buffer, self.samples = [], []
 
     def times(self) -> dict:
         """Where the runner's own time went (seconds; reading and building run in a thread of their own)."""

@@ -20,7 +20,7 @@ class Interrupted(RunnerError):
 RUN_STOPPED = "finished rows are stored, rerun to resume"
 
 
-_state = {"stopping": False, "keep": False, "ctrl_c": 0, "after": ""}
+_state = {"stopping": False, "keep": False, "ctrl_c": 0, "after": "", "deferring": 0, "deferred": None}
 
 
 def raise_interrupted(signum, _frame, after: str = RUN_STOPPED, pid: int = 0):
@@ -31,7 +31,11 @@ def raise_interrupted(signum, _frame, after: str = RUN_STOPPED, pid: int = 0):
         _default(signum)
         return
     _ignore_stops(after)
-    raise Interrupted(f"stopped by signal {signal.Signals(signum).name}" + (f"; {after}" if after else ""))
+    stop = Interrupted(f"stopped by signal {signal.Signals(signum).name}" + (f"; {after}" if after else ""))
+    if _state["deferring"]:  # a batch being committed: raised once it is (stops_deferred)
+        _state["deferred"] = stop
+        return
+    raise stop
 
 
 def raise_keyboard_interrupt(signum, frame, pid: int = 0, after: str = ""):
@@ -40,7 +44,28 @@ def raise_keyboard_interrupt(signum, frame, pid: int = 0, after: str = ""):
     if pid and os.getpid() != pid:
         signal.default_int_handler(signum, frame)
     _ignore_stops(after)
+    if _state["deferring"]:
+        _state["deferred"] = KeyboardInterrupt()
+        return
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stops_deferred():
+    """A stop (SIGTERM, SIGHUP, Ctrl-C) that arrives inside is raised as the block ends: a batch of
+    rows is committed and let go of together, or neither. Raised between the commit and the
+    letting go, it left the batch to be stored again as the stop unwound: each of its rows a second
+    time in results_history, and counted twice among the rows the run redid."""
+    _state["deferring"] += 1
+    stop = None
+    try:
+        yield
+    finally:  # the block's own error, if any, goes on instead (the stop is under way, stops ignored)
+        _state["deferring"] -= 1
+        if not _state["deferring"]:
+            stop, _state["deferred"] = _state["deferred"], None
+    if stop is not None:
+        raise stop
 
 
 def _default(signum) -> None:
@@ -122,7 +147,7 @@ def keep_ignoring_after_stop() -> None:
 def reset() -> None:
     """No stop under way, and handlers put back as ever: for a process that goes on after a
     command's main() (tests)."""
-    _state.update(stopping=False, keep=False, ctrl_c=0, after="")
+    _state.update(stopping=False, keep=False, ctrl_c=0, after="", deferring=0, deferred=None)
 
 
 _STOPS = (signal.SIGTERM, getattr(signal, "SIGHUP", None), signal.SIGINT)

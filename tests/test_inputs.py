@@ -359,7 +359,7 @@ def test_a_write_through_a_link_in_the_input_folder_is_refused(make_job, tmp_pat
     next run reads through the link, so export -o and report -o refuse it as they refuse the folder."""
     from runner.errors import OutputFileError
     from runner.input_paths import input_files
-    from runner.spec import job_sources
+    from runner.unloaded_job import job_sources
     from runner.whole_file import write_whole
 
     job = make_job(rows=2)  # its input: data/docs.parquet; give it the folder instead

@@ -108,3 +108,28 @@ def test_in_the_command_line_the_second_ctrl_c_after_a_stop_quits_and_kills_the_
         time.sleep(0.1)
     else:
         pytest.fail("the child outlived the quit")
+
+
+def test_a_stop_inside_a_deferred_block_is_raised_as_it_ends_and_not_later():
+    """stops_deferred (a batch's commit and its letting go): SIGTERM inside raises nothing there,
+    then Interrupted as the block ends; a block that fails on its own raises its own error, and
+    leaves no stop behind for the next block."""
+    from runner.signals import stops_deferred
+
+    reached = []
+    with sigterm_interrupts():
+        with pytest.raises(Interrupted):
+            with stops_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the handler has run here
+                reached.append("after the signal")
+        assert reached == ["after the signal"]
+    with sigterm_interrupts():
+        with pytest.raises(OSError):
+            with stops_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                signal.pthread_sigmask(signal.SIG_BLOCK, [])
+                raise OSError("disk full")
+        with stops_deferred():  # nothing left over from the block before
+            reached.append("next block")
+    assert reached[-1] == "next block"
