@@ -73,9 +73,10 @@
 # What a step costs (bench/step_cost.py; 2026-12-05 on an H100, ~290 s with the engine's first start of 211 s):
 #   cd /tmp/proj && PYTHONPATH=/tmp/site:/tmp/proj VLLM_CACHE_ROOT=/tmp/vllm-cache HF_HUB_OFFLINE=1 timeout 440 \
 #     python3 bench/step_cost.py --model /tmp/smollm2 --shape 8b --batches 16,64,128,192 --tokens 96 --repeats 2 --out $OUT/sc.json
-# Next on a GPU: the pace seeded with the stored calibration's lengths (kv_lengths_from_calibration,
-# 07e731d and after; not measured on a GPU yet: none was lent that session) against `noseed`, the
-# runner without it; both reuse runner_first's calibration (~1,250 s of device time with staging):
+# The pace seeded with the stored calibration's lengths (kv_lengths_from_calibration) against `noseed`,
+# the runner without it, both reusing runner_first's calibration, was measured at 6386fd0 on an H100
+# with the shorter plan below (~860 s of device time held: staging ~30 s, install ~80 s, the sorted
+# warm-up and runner_first ~290 s, a round ~180 s; bench/results/2026-12-05-nvidia-h100-8b-calibration-seeds.json):
 #   WARMUP="invoices/tight/8b=sorted,runner" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
 #     --repeats 3 --deadline-s 700 --cases "invoices/tight/8b=runner_first@1;invoices/tight/8b=sorted,runner,noseed"
 # With less device time left, runner_first is the runner's warm-up (its compile counts in its own wall,
