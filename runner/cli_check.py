@@ -109,6 +109,16 @@ def plan(job, overrides):
         say(f"{g.key:<12}  {g.rows:>7,}  {g.prompt_tokens:>11,}  {g.prefix_tokens:>10,}  {share:>9.1%}  {g.preview}")
     exact = "" if p.tokens_exact else " (estimated: model not prepared)"
     say(f"{plural(len(p.groups), 'group')}, {plural(p.rows, 'row')}, {plural(p.prompt_tokens, 'prompt token')}{exact}")
+    _say_row_problems(spec, p, fits is not None)
+    say(f"shared-prefix share of prompt tokens (prefix-cache bound, {p.block_tokens}-token blocks): "
+        f"{'' if p.tokens_exact else '~'}{100 * p.prefix_share:.1f}%{exact}")
+
+
+def _say_row_problems(spec, p, exact_fit: bool) -> None:
+    """plan's lines on rows a run would store failed or cut; exact_fit: whether cuts were tried as a
+    run tries them (the model's tokenizer), not estimated."""
+    from runner.summary import plural
+
     if p.rows_bad_input and spec.spec.input.on_bad_row == "store":
         say(f"{plural(p.rows_bad_input, 'row')} with a null text or system prompt, or values prompts.system_template "
             "cannot take (input.on_bad_row: store: a run stores them as failed)")
@@ -123,10 +133,8 @@ def plan(job, overrides):
             f"{p.prompt_room:,} tokens: with max_tokens {spec.spec.sampling.max_tokens:,} longer than max_model_len "
             f"{spec.engine.max_model_len:,} (input.on_too_long: {spec.spec.input.on_too_long}: a run {what})")
         # no cut of the document saves these: the prompt's other parts alone are over (estimated: the system prompt)
-        beyond = p.rows_uncuttable if fits else sum(g.rows for g in p.groups if g.prefix_tokens > p.prompt_room)
+        beyond = p.rows_uncuttable if exact_fit else sum(g.rows for g in p.groups if g.prefix_tokens > p.prompt_room)
         if beyond:
             say(f"{'' if p.tokens_exact else '~'}{plural(beyond, 'row')} of them with a prompt over {p.prompt_room:,} "
                 "tokens without the document (system prompt, few-shot turns, template): no cut of the document makes "
                 "those fit (a run stores them as failed)")
-    say(f"shared-prefix share of prompt tokens (prefix-cache bound, {p.block_tokens}-token blocks): "
-        f"{'' if p.tokens_exact else '~'}{100 * p.prefix_share:.1f}%{exact}")

@@ -29,7 +29,7 @@ def status(job, overrides):
     """
     from runner.cli_results import _open_store  # here: under `python -m runner.cli`, cli_results is still loading
     from runner.errors import ModelError, NotFound, SpecError
-    from runner.fingerprint import changed_parts, result_fingerprint
+    from runner.fingerprint import result_fingerprint
     from runner.models import missing_model
     from runner.lock import holder
     from runner.spec import load_job
@@ -63,21 +63,7 @@ def status(job, overrides):
     pid = holder(store.path, name)
     if pid is not None:  # the counts below move while it stores rows
         say(f"running now: pid {pid} holds the job's lock (run, calibrate, verify, distill or prune)")
-    rows = []
-    for g in groups:
-        fp = g["fingerprint"]
-        if spec is None:
-            what = "not compared: the job does not load as it is now"
-        elif fp == current:
-            what = "current"
-        elif fp is None:
-            what = "made before fingerprints (kept; --restart redoes them)"
-        else:
-            what = "changed: " + (", ".join(changed_parts(known[fp], components)) if fp in known else "unknown")
-        statuses = ", ".join(f"{k} {v}" for k, v in sorted(g["statuses"].items()))
-        aside = f"; {g['set_aside']:,} of them set aside by --restart" if g["set_aside"] else ""
-        rows.append((fp or "-", f"{plural(g['rows'], 'row')} ({statuses}), made {g['first_at_utc'][:16]} .. "
-                                f"{g['last_at_utc'][:16]}; {what}{aside}"))
+    rows = [_version_line(g, spec is not None, current, known, components) for g in groups]
     if rows:
         say(table(rows))
     say(f"earlier results kept in results_history: {history['history_rows']:,}")
@@ -85,6 +71,25 @@ def status(job, overrides):
     store.check_unchanged()
     if unloaded is not None:
         raise unloaded from None
+
+
+def _version_line(group: dict, compared: bool, current, known: dict, components) -> tuple[str, str]:
+    """status's line for one version of the job's stored rows: (fingerprint, what it is)."""
+    from runner.fingerprint import changed_parts
+
+    fp = group["fingerprint"]
+    if not compared:
+        what = "not compared: the job does not load as it is now"
+    elif fp == current:
+        what = "current"
+    elif fp is None:
+        what = "made before fingerprints (kept; --restart redoes them)"
+    else:
+        what = "changed: " + (", ".join(changed_parts(known[fp], components)) if fp in known else "unknown")
+    statuses = ", ".join(f"{k} {v}" for k, v in sorted(group["statuses"].items()))
+    aside = f"; {group['set_aside']:,} of them set aside by --restart" if group["set_aside"] else ""
+    return fp or "-", (f"{plural(group['rows'], 'row')} ({statuses}), made {group['first_at_utc'][:16]} .. "
+                       f"{group['last_at_utc'][:16]}; {what}{aside}")
 
 
 @cli.command()
