@@ -93,34 +93,51 @@ def would_read(target: str, path: str, declared: Optional[str] = None) -> bool:
 
 def _glob_names(target: str, path: str, literal: str) -> bool:
     """Whether _globbed(path, literal) would name `target`: by its path below the glob's folder, or
-    through a folder the glob names that is a link elsewhere (`data/*/x.parquet` with data/ext ->
-    /mnt/ext reads /mnt/ext/x.parquet)."""
+    by a name through a linked folder the glob goes through (`data/*/x.parquet` with data/ext ->
+    /mnt/ext reads /mnt/ext/x.parquet; data/current -> _staging/v2 is read as current/...)."""
     root = max(_fixed_part(path), literal, key=len)
     named = {part[0] for part in Path(os.path.relpath(path, root)).parts if part.startswith(("_", "."))}
     base = os.path.realpath(literal) if literal else os.sep
     relative = os.path.relpath(target, base)
     pattern = os.path.relpath(path, literal) if literal else path.lstrip(os.sep)
-    if not relative.startswith(os.pardir) and _parts_match(Path(pattern).parts, Path(relative).parts):
-        return not _hidden(os.path.relpath(target, os.path.realpath(root)), named)
-    return any(not _hidden(os.path.relpath(os.path.join(folder, os.path.basename(target)), root), named)
-               for folder in _linked_glob_folders(target, path, literal))
+    if (not relative.startswith(os.pardir) and _parts_match(Path(pattern).parts, Path(relative).parts)
+            and not _hidden(os.path.relpath(target, os.path.realpath(root)), named)):
+        return True
+    below = Path(os.path.relpath(path, root)).parts  # the pattern below root, as root's names match it
+    if below[-1] != "**" and not fnmatch.fnmatchcase(os.path.basename(target), below[-1]):
+        return False  # not a name the glob reads: no folder to look for (a walk of the whole tree)
+    for name, real in _linked_folders(root, named, None if "**" in below else len(below) - 1):
+        rest = os.path.relpath(target, real)
+        if not rest.startswith(os.pardir) and rest != os.curdir:
+            through = os.path.normpath(os.path.join(name, rest))
+            if _parts_match(below, Path(through).parts) and not _hidden(through, named):
+                return True
+    return False
 
 
-def _linked_glob_folders(target: str, path: str, literal: str) -> Iterator[str]:
-    """The folders, as the glob names them, through which a file of target's name would be globbed
-    from target's real folder (only through a link: other folders are _glob_names' own test)."""
-    pattern = os.path.join(glob.escape(literal), os.path.relpath(path, literal)) if literal else path
-    head, tail = os.path.split(pattern)
-    if tail == "**":  # any file below: every folder the glob goes through
-        head, tail = pattern, "*"
-    if not fnmatch.fnmatchcase(os.path.basename(target), tail):
-        return
-    parent = os.path.realpath(os.path.dirname(target))
-    folders = glob.glob(os.path.join(head, ""), recursive=True) if glob.has_magic(head) else [head]
-    for folder in folders:
-        folder = folder.rstrip(os.sep) or os.sep
-        if os.path.isdir(folder) and os.path.realpath(folder) == parent:
-            yield folder
+def _linked_folders(root: str, named: set[str], depth: Optional[int]) -> Iterator[tuple[str, str]]:
+    """(name below root, real path) of each link below root that a glob would go through as a
+    folder: to a folder, or dangling (a write that makes its target makes it one). depth: the most
+    parts such a name may have (None: any, `**`); hidden names are not gone into."""
+    seen: set[str] = set()
+    stack = [("", root)] if os.path.isdir(root) and depth != 0 else []  # 0: the pattern names no folder
+    while stack:
+        name, folder = stack.pop()
+        if os.path.realpath(folder) in seen:
+            continue
+        seen.add(os.path.realpath(folder))
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            inner = os.path.join(name, entry.name)
+            if _hidden(entry.name, named):
+                continue
+            if entry.is_symlink() and (entry.is_dir() or not os.path.exists(entry.path)):
+                yield inner, os.path.realpath(entry.path)
+            if entry.is_dir() and (depth is None or len(Path(inner).parts) < depth):
+                stack.append((inner, entry.path))
 
 
 def _parts_match(pattern: tuple, parts: tuple) -> bool:

@@ -15,9 +15,8 @@ from typing import Callable, Iterator, Optional
 
 from runner.collect import Progress, ResultCollector
 from runner.engines import Engine, build_engine
-from runner.engines.calibrate import CalibrationContext, calibrate, failed_verification
+from runner.engines.calibrate import CalibrationContext, calibrate
 from runner.engines.sequence import EngineSequence
-from runner.engines.speculation import setting_key, with_speculative
 from runner.engines.vllm_settings import job_with_grammar
 from runner.errors import SpecError
 from runner.fingerprint import calibration_key, prompt_keys
@@ -27,11 +26,12 @@ from runner.prompting import PromptBuilder, builder_for, check_first_prompt
 from runner.readers import LocalReader
 from runner.requests import RequestBuilder, build_ahead
 from runner.rows import StatsRow, Status
-from runner.signals import Interrupted, sigterm_interrupts
+from runner.signals import Interrupted, sigterm_interrupts, stops_deferred
 from runner.spec import Job
 from runner.resume import Work, restart, shared_name, work_to_do
 from runner.store import Store
 from runner.summary import plural
+from runner.verify import verify_gate
 
 
 @dataclass
@@ -152,12 +152,11 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
             opts.notify(f"running {plural(work.redone, 'stored row')} again: " + (
                 restarted if restarted else "--retry-failed" if opts.retry_failed else _why_redone(work)))
         key = calibration_key(job, prompt_keys(job, scan), opts.backend)
-        job, gated = _verify_gate(job, store, key, opts)
+        job, gated = verify_gate(job, store, key, opts.verify_gate, opts.notify)
         if gated:
             work.notes.append(gated)
-        run_id = store.begin_run(job.name, str(job.path), job.snapshot() | {"fingerprint": work.fingerprint},
-                                 opts.log_path)
-        summary = _run_recorded(job, scan, builder, store, engine_factory, opts, work, key, run_id)
+        summary = _run_recorded(job, scan, builder, store, engine_factory, opts, work, key, lambda: store.begin_run(
+            job.name, str(job.path), job.snapshot() | {"fingerprint": work.fingerprint}, opts.log_path))
     finally:
         work.is_done.close()
     summary.rows_input, summary.rows_skipped, summary.rows_rejected = scan.rows, work.skipped, len(scan.skip)
@@ -169,11 +168,15 @@ def _run_locked(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
 
 def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Store,
                   engine_factory: Callable[[Job], Engine], opts: RunOptions, work: Work, key: dict,
-                  run_id: int) -> RunSummary:
-    """The run once its row exists: whatever stops it, the row ends interrupted or failed, with the
-    stats of the rows it stored (a nightly run stopped at its deadline still shows its speed)."""
+                  begin: Callable[[], int]) -> RunSummary:
+    """The run from its row (`begin` makes it): whatever stops it, the row ends interrupted or
+    failed, with the stats of the rows it stored (a nightly run stopped at its deadline still shows
+    its speed)."""
     partial: dict = {}  # where _execute and _generate leave a stopped run's stats and speculation choice
+    run_id = None
     try:
+        with stops_deferred():  # the row and its id together: a stop between left the row `running`
+            run_id = begin()
         if scan.skip:
             store.save_rejected(run_id, job.name, scan.rejected)
             if opts.notify is not None:
@@ -184,31 +187,16 @@ def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Stor
                                  on_start=lambda info: store.set_engine(run_id, info.backend, info.version, info.settings))
         return _execute(job, store, run_id, engines, builder, work, opts, ctx, partial)
     except BaseException as exc:
+        if run_id is None:
+            raise
         status = "interrupted" if isinstance(exc, (Interrupted, KeyboardInterrupt)) else "failed"
         error = "stopped by Ctrl-C (SIGINT); finished rows are stored, rerun to resume" \
             if isinstance(exc, KeyboardInterrupt) else str(exc) or exc.__class__.__name__
-        store.finish_run(run_id, status, stats=partial.get("stats"), error=error)
+        # A stop while a failure is recorded would leave the row `running` and lose the error: the
+        # process ends with this failure anyway. (A completed run stays completed: finish_run.)
+        with stops_deferred(raise_after=False):
+            store.finish_run(run_id, status, stats=partial.get("stats"), error=error)
         raise
-
-
-def _verify_gate(job: Job, store: Store, key: dict, opts: RunOptions) -> tuple[Job, Optional[str]]:
-    """A fixed speculative setting that a stored `runner verify` found to change more greedy outputs
-    than verify.min_agreement allows is dropped (the run says so); --no-verify keeps it."""
-    spec = job.engine.speculative
-    if not opts.verify_gate or spec is None or spec == "auto":
-        return job, None
-    limit = job.engine.verify.min_agreement
-    v = failed_verification(store, job, key, setting_key(spec.model_dump()))
-    if v is None:
-        return job, None
-    base = "" if v["baseline_agreement"] is None else \
-        f", more than the engine changes on its own ({v['baseline_agreement']:.1%} without drafts, twice)"
-    why = (f"running without speculative decoding: runner verify found {spec.method} drafts left "
-           f"{v['agreement']:.1%} of greedy outputs unchanged{base} (engine.verify.min_agreement {limit:.0%}; "
-           "--no-verify keeps them)")
-    if opts.notify is not None:
-        opts.notify(why)
-    return with_speculative(job, None), why
 
 
 def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, builder: PromptBuilder, work: Work,

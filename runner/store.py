@@ -126,13 +126,16 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
                 engine_backend=backend, engine_version=version,
                 engine_settings_json=json.dumps(settings, sort_keys=True, default=str)))
 
-    def finish_run(self, run_id: int, status: str, stats: Optional[StatsRow] = None, error: Optional[str] = None) -> None:
-        """Close a run; its stats row is written in the same transaction."""
+    def finish_run(self, run_id: int, status: str, stats: Optional[StatsRow] = None, error: Optional[str] = None) -> bool:
+        """Close a run that is still running, and write its stats row in the same transaction.
+        False where it was closed already (a stop that arrived just after it completed must not
+        turn it into an interrupted one, nor add a second stats row)."""
         with self._tx() as conn:
-            if stats is not None:
+            closed = conn.execute(update(self.runs).where(self.runs.c.id == run_id, self.runs.c.status == "running")
+                                  .values(status=status, ended_at_utc=utc_now(), error=error)).rowcount
+            if closed and stats is not None:
                 conn.execute(self.run_stats.insert().values(run_id=run_id, created_at_utc=utc_now(), **stats.as_dict()))
-            conn.execute(update(self.runs).where(self.runs.c.id == run_id).values(
-                status=status, ended_at_utc=utc_now(), error=error))
+        return bool(closed)
 
     def mark_abandoned_runs(self, job_name: str) -> int:
         """Runs still 'running' when a new one starts under the lock died: mark them interrupted,

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 from runner.collect import ResultCollector
 from runner.engines import Engine, build_engine
+from runner.engines.calibrate import failed_verification
 from runner.engines.sequence import EngineSequence
 from runner.engines.speculation import setting_key, speculative_config, with_speculative
 from runner.engines.vllm_settings import job_with_grammar
@@ -167,3 +168,25 @@ def _record(store: Store, job: Job, key: str, ran_with: str, setting: dict, with
         rows_changed_by_drafts_only=v.rows_changed_by_drafts_only,
         rows_changed_by_engine_only=v.rows_changed_by_engine_only)
     return v
+
+
+def verify_gate(job: Job, store: Store, key: dict, enabled: bool = True,
+                notify: Optional[Callable[[str], None]] = None) -> tuple[Job, Optional[str]]:
+    """A fixed speculative setting that a stored `runner verify` found to change more greedy outputs
+    than verify.min_agreement allows is dropped (the run says so, through `notify`); --no-verify
+    (enabled False) keeps it. Returns the job to run and the note, if any."""
+    spec = job.engine.speculative
+    if not enabled or spec is None or spec == "auto":
+        return job, None
+    limit = job.engine.verify.min_agreement
+    v = failed_verification(store, job, key, setting_key(spec.model_dump()))
+    if v is None:
+        return job, None
+    base = "" if v["baseline_agreement"] is None else \
+        f", more than the engine changes on its own ({v['baseline_agreement']:.1%} without drafts, twice)"
+    why = (f"running without speculative decoding: runner verify found {spec.method} drafts left "
+           f"{v['agreement']:.1%} of greedy outputs unchanged{base} (engine.verify.min_agreement {limit:.0%}; "
+           "--no-verify keeps them)")
+    if notify is not None:
+        notify(why)
+    return with_speculative(job, None), why

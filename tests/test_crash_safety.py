@@ -603,6 +603,60 @@ def test_a_stop_right_after_a_commit_stores_that_batch_once(make_job, tmp_path, 
     assert con.execute("SELECT count(*) FROM results_history WHERE run_id = 2").fetchone() == (0,)
 
 
+@pytest.mark.parametrize("when", ["after the run row is made", "after it is completed",
+                                  "while a failure is recorded"])
+def test_a_stop_at_the_edges_of_a_run_leaves_its_row_as_it_ended(make_job, tmp_path, monkeypatch, when):
+    """SIGTERM right after begin_run left the row `running` (the next run called it a process that
+    died); right after the completed run's commit it rewrote the row as interrupted with a second
+    stats row; while a failed run was recorded it left the row `running` and lost the error."""
+    from runner.engines.fake import FakeEngine
+    from runner.errors import EngineError
+    from runner.store import Store
+
+    job = make_job(rows=ROWS, job={"output": {"commit_every_rows": 4}})
+    begin, finish = Store.begin_run, Store.finish_run
+
+    def stop():
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at the next line of Python
+
+    def begin_then_stop(self, *args, **kw):
+        run_id = begin(self, *args, **kw)
+        stop()
+        return run_id
+
+    def finish_then_stop(self, run_id, status, **kw):
+        closed = finish(self, run_id, status, **kw)
+        stop()
+        return closed
+
+    def stop_then_finish(self, run_id, status, **kw):
+        stop()
+        return finish(self, run_id, status, **kw)
+
+    def engine_dies(self):
+        raise EngineError("the engine core died")
+
+    if when == "after the run row is made":
+        monkeypatch.setattr(Store, "begin_run", begin_then_stop)
+    elif when == "after it is completed":
+        monkeypatch.setattr(Store, "finish_run", finish_then_stop)
+    else:
+        monkeypatch.setattr(FakeEngine, "poll", engine_dies)
+        monkeypatch.setattr(Store, "finish_run", stop_then_finish)
+    out = run_here("run", "--engine", "fake", "--quiet", job)
+    con = sqlite3.connect(tmp_path / "out" / "results.sqlite")
+    [(status, error)] = con.execute("SELECT status, error FROM runs").fetchall()
+    stats = con.execute("SELECT count(*) FROM run_stats").fetchone()[0]
+    if when == "after the run row is made":
+        assert out.exit_code == 130 and status == "interrupted" and "SIGTERM" in error and stats <= 1
+    elif when == "after it is completed":
+        assert status == "completed" and error is None and stats == 1, (out.exit_code, status, error)
+        assert con.execute("SELECT count(*) FROM results").fetchone() == (ROWS,)
+    else:
+        assert out.exit_code != 130 and status == "failed" and "the engine core died" in error, (out.output, error)
+        assert "the engine core died" in out.output
+
+
 def test_a_second_restart_after_a_stopped_one_goes_on_with_the_rest(make_job, tmp_path, fake_env):
     """A nightly `run --restart` stopped at its deadline each night must not redo the same first
     rows every night: while rows are marked, the rows redone since are kept."""

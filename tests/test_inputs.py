@@ -327,6 +327,9 @@ def test_the_export_guard_names_what_the_input_reads_and_nothing_else(tmp_path):
     data = tmp_path / "data"
     (data / "sub").mkdir(parents=True)
     (data / "ext").symlink_to(outside)
+    (data / "_staging" / "v2").mkdir(parents=True)
+    (data / "current").symlink_to(data / "_staging" / "v2")  # read as current/..., not as _staging/
+    (data / "later").symlink_to(tmp_path / "later")  # dangling until a write makes its folder
     bracket = tmp_path / "da[ta] x"
     bracket.mkdir()
     for folder in (data, outside, data / "sub", bracket):
@@ -344,7 +347,13 @@ def test_the_export_guard_names_what_the_input_reads_and_nothing_else(tmp_path):
              # a glob's folder that is a link to a folder outside: its files are read there
              (str(data / "*" / "*.parquet"), outside / "g.parquet", True), (str(data / "*" / "*.parquet"), outside / "g.txt", False),
              (str(data / "**" / "*.parquet"), outside / "g.parquet", True), (str(data / "e?t" / "*"), outside / "g.txt", True),
-             (str(data / "*" / "*.parquet"), outside / "_g.parquet", False)]
+             (str(data / "*" / "*.parquet"), outside / "_g.parquet", False),
+             (str(data / "**" / "*.parquet"), data / "_staging" / "v2" / "g.parquet", True),
+             (str(data / "*.parquet"), data / "_staging" / "v2" / "g.parquet", False),
+             # folders the write would make below a linked folder, and a dangling link's own
+             (str(data / "*" / "*" / "*.parquet"), outside / "2025" / "g.parquet", True),
+             (str(data / "**" / "*.parquet"), outside / "new" / "g.parquet", True),
+             (str(data / "*" / "*.parquet"), tmp_path / "later" / "g.parquet", True)]  # last: it makes the folder
     for path, target, expected in cases:
         assert would_read(str(target.resolve()), path) is expected, (path, target)
         target.parent.mkdir(exist_ok=True)

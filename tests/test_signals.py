@@ -133,3 +133,49 @@ def test_a_stop_inside_a_deferred_block_is_raised_as_it_ends_and_not_later():
         with stops_deferred():  # nothing left over from the block before
             reached.append("next block")
     assert reached[-1] == "next block"
+
+
+def test_a_deferred_block_in_another_thread_does_not_hold_the_main_threads_stop():
+    """Handlers run in the main thread: a block in a worker thread deferred the main thread's stop
+    and raised it in the worker, while the main thread went on."""
+    import threading
+    import time
+
+    from runner.signals import stops_deferred
+
+    entered, release, got = threading.Event(), threading.Event(), {}
+
+    def worker():
+        try:
+            with stops_deferred():
+                entered.set()
+                release.wait(5)
+            got["worker"] = "no stop"
+        except BaseException as exc:  # noqa: BLE001 - what the worker saw is the result
+            got["worker"] = repr(exc)
+
+    with sigterm_interrupts():
+        t = threading.Thread(target=worker)
+        t.start()
+        entered.wait(5)
+        try:
+            with pytest.raises(Interrupted):
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(100):
+                    time.sleep(0.01)
+        finally:
+            release.set()
+            t.join()
+    assert got == {"worker": "no stop"}
+
+
+def test_reset_inside_a_deferred_block_leaves_later_stops_raised():
+    from runner import signals
+    from runner.signals import stops_deferred
+
+    with stops_deferred():
+        signals.reset()
+    with pytest.raises(Interrupted):
+        with sigterm_interrupts():
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [])
