@@ -118,26 +118,31 @@ def _glob_names(target: str, path: str, literal: str) -> bool:
 def _linked_folders(root: str, named: set[str], depth: Optional[int]) -> Iterator[tuple[str, str]]:
     """(name below root, real path) of each link below root that a glob would go through as a
     folder: to a folder, or dangling (a write that makes its target makes it one). depth: the most
-    parts such a name may have (None: any, `**`); hidden names are not gone into."""
-    seen: set[str] = set()
-    stack = [("", root)] if os.path.isdir(root) and depth != 0 else []  # 0: the pattern names no folder
+    parts such a name may have (None: any, `**`); hidden names are not gone into. A folder is not
+    gone into again below itself (a link back up); reached by two names, it is gone into by each,
+    as glob reads it by each."""
+    stack = [("", root, frozenset())] if os.path.isdir(root) and depth != 0 else []  # 0: no folder named
     while stack:
-        name, folder = stack.pop()
-        if os.path.realpath(folder) in seen:
+        name, folder, above = stack.pop()
+        real = os.path.realpath(folder)
+        if real in above:
             continue
-        seen.add(os.path.realpath(folder))
         try:
             entries = list(os.scandir(folder))
-        except OSError:
+        except OSError:  # unreadable: glob reads nothing there either
             continue
         for entry in entries:
             inner = os.path.join(name, entry.name)
             if _hidden(entry.name, named):
                 continue
-            if entry.is_symlink() and (entry.is_dir() or not os.path.exists(entry.path)):
+            try:
+                is_dir = entry.is_dir()  # through links: a loop of links, or no permission, raises
+            except OSError:
+                is_dir = False
+            if entry.is_symlink() and (is_dir or not os.path.lexists(os.path.realpath(entry.path))):
                 yield inner, os.path.realpath(entry.path)
-            if entry.is_dir() and (depth is None or len(Path(inner).parts) < depth):
-                stack.append((inner, entry.path))
+            if is_dir and (depth is None or len(Path(inner).parts) < depth):
+                stack.append((inner, entry.path, above | {real}))
 
 
 def _parts_match(pattern: tuple, parts: tuple) -> bool:

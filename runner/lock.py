@@ -16,8 +16,10 @@ from runner.signals import Interrupted
 
 
 def lock_path(database: Path, job_name: str) -> Path:
-    """The job's lock file, beside its results database."""
-    return Path(f"{database}.{job_name}.lock")
+    """The job's lock file, beside its results database, by its real path: one database reached by
+    two names (a linked folder) is one lock, or two runs would hold "the lock" and the second would
+    mark the first's run row abandoned while it ran."""
+    return Path(f"{os.path.realpath(database)}.{job_name}.lock")
 
 
 class JobLock:

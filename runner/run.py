@@ -195,7 +195,7 @@ def _run_recorded(job: Job, scan: InputScan, builder: PromptBuilder, store: Stor
         # A stop while a failure is recorded would leave the row `running` and lose the error: the
         # process ends with this failure anyway. (A completed run stays completed: finish_run.)
         with stops_deferred(raise_after=False):
-            store.finish_run(run_id, status, stats=partial.get("stats"), error=error)
+            store.finish_run(run_id, status, stats=partial.get("stats"), error=error, if_running=True)
         raise
 
 
@@ -220,11 +220,13 @@ def _execute(job: Job, store: Store, run_id: int, engines: EngineSequence, build
         completed = True
     finally:
         try:
-            if ahead is not None:  # the reading thread stops here, read to the end or not
-                ahead.close()
-            collector.flush()  # rows that finished before a failure or a signal are kept
-            engines.stop(completed)
-        finally:  # also where storing failed (a full disk): the Error: line then starts a line of its own
+            try:
+                if ahead is not None:  # the reading thread stops here, read to the end or not
+                    ahead.close()
+                collector.flush()  # rows that finished before a failure or a signal are kept
+            finally:  # a flush that failed (a full disk) must not leave the engine running
+                engines.stop(completed)
+        finally:  # also where storing failed: the Error: line then starts a line of its own
             if progress is not None and hasattr(progress, "close"):
                 progress.close()
         timing = {"wall_s": clock() - t_start, "before_run_s": t_run - t_start, "wall_from": wall_from}

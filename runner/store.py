@@ -126,13 +126,17 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
                 engine_backend=backend, engine_version=version,
                 engine_settings_json=json.dumps(settings, sort_keys=True, default=str)))
 
-    def finish_run(self, run_id: int, status: str, stats: Optional[StatsRow] = None, error: Optional[str] = None) -> bool:
-        """Close a run that is still running, and write its stats row in the same transaction.
-        False where it was closed already (a stop that arrived just after it completed must not
-        turn it into an interrupted one, nor add a second stats row)."""
+    def finish_run(self, run_id: int, status: str, stats: Optional[StatsRow] = None, error: Optional[str] = None,
+                   if_running: bool = False) -> bool:
+        """Close a run, and write its stats row in the same transaction. if_running: only a run
+        still `running` (how a stopped or failed run ends: a stop that arrived just after the run
+        completed must not turn it into an interrupted one with a second stats row). Returns
+        whether the row was closed."""
         with self._tx() as conn:
-            closed = conn.execute(update(self.runs).where(self.runs.c.id == run_id, self.runs.c.status == "running")
-                                  .values(status=status, ended_at_utc=utc_now(), error=error)).rowcount
+            q = update(self.runs).where(self.runs.c.id == run_id)
+            if if_running:
+                q = q.where(self.runs.c.status == "running")
+            closed = conn.execute(q.values(status=status, ended_at_utc=utc_now(), error=error)).rowcount
             if closed and stats is not None:
                 conn.execute(self.run_stats.insert().values(run_id=run_id, created_at_utc=utc_now(), **stats.as_dict()))
         return bool(closed)

@@ -374,6 +374,22 @@ def test_a_lock_wait_stopped_by_a_signal_closes_its_file(tmp_path):
         assert fds() == before
 
 
+def test_one_database_by_two_names_is_one_lock(tmp_path):
+    """output.database naming a link to the database file took a lock of its own (beside the
+    link): two runs of one job ran at once, and the second marked the first's run row abandoned
+    while it ran. (Through a linked folder the lock file was already the same file.)"""
+    from runner.errors import LockedError
+    from runner.lock import JobLock
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "results.sqlite").write_bytes(b"")
+    (tmp_path / "tonight.sqlite").symlink_to(tmp_path / "data" / "results.sqlite")
+    with JobLock(tmp_path / "data" / "results.sqlite", "job"):
+        with pytest.raises(LockedError):
+            with JobLock(tmp_path / "tonight.sqlite", "job"):
+                pass
+
+
 def test_ctrl_c_while_waiting_for_the_lock_says_nothing_was_done(tmp_path):
     """Not "finished rows are stored, rerun to resume": this process stored none."""
     from runner.lock import JobLock

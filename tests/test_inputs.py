@@ -330,6 +330,10 @@ def test_the_export_guard_names_what_the_input_reads_and_nothing_else(tmp_path):
     (data / "_staging" / "v2").mkdir(parents=True)
     (data / "current").symlink_to(data / "_staging" / "v2")  # read as current/..., not as _staging/
     (data / "later").symlink_to(tmp_path / "later")  # dangling until a write makes its folder
+    (data / "loop").symlink_to(data / "loop")  # a link to itself: the guard must not fail on it
+    (data / "a" / "v1").mkdir(parents=True)
+    (data / "a" / "v2").symlink_to(data / "a" / "v1")  # one folder by two names, a link below it
+    (data / "a" / "v1" / "ext").symlink_to(outside)
     bracket = tmp_path / "da[ta] x"
     bracket.mkdir()
     for folder in (data, outside, data / "sub", bracket):
@@ -350,6 +354,8 @@ def test_the_export_guard_names_what_the_input_reads_and_nothing_else(tmp_path):
              (str(data / "*" / "*.parquet"), outside / "_g.parquet", False),
              (str(data / "**" / "*.parquet"), data / "_staging" / "v2" / "g.parquet", True),
              (str(data / "*.parquet"), data / "_staging" / "v2" / "g.parquet", False),
+             (str(data / "*" / "v2" / "ext" / "*.parquet"), outside / "h.parquet", True),
+             (str(data / "*" / "v1" / "ext" / "*.parquet"), outside / "h.parquet", True),
              # folders the write would make below a linked folder, and a dangling link's own
              (str(data / "*" / "*" / "*.parquet"), outside / "2025" / "g.parquet", True),
              (str(data / "**" / "*.parquet"), outside / "new" / "g.parquet", True),
