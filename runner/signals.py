@@ -52,10 +52,11 @@ def raise_keyboard_interrupt(signum, frame, pid: int = 0, after: str = ""):
 
 @contextlib.contextmanager
 def stops_deferred(raise_after: bool = True):
-    """A stop (SIGTERM, SIGHUP, Ctrl-C) that arrives inside is acted on as the block ends: a batch of
-    rows is committed and let go of together, or neither. Raised between the commit and the
-    letting go, it left the batch to be stored again as the stop unwound: each of its rows a second
-    time in results_history, and counted twice among the rows the run redid. raise_after=False:
+    """A stop (SIGTERM, SIGHUP; Ctrl-C where sigterm_interrupts set its handler) that arrives inside
+    is acted on as the block ends: a batch of rows is committed and let go of together, or neither.
+    Raised between the commit and the letting go, it left the batch to be stored again as the stop
+    unwound: each of its rows a second time in results_history, and counted twice among the rows
+    the run redid. raise_after=False:
     such a stop is only ignored (recording a failure the process ends with anyway). Handlers run in
     the main thread only: elsewhere the block defers nothing."""
     if threading.current_thread() is not threading.main_thread():
