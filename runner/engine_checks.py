@@ -71,55 +71,42 @@ def check_engine_settings(engine: EngineConfig, model_path: Path, spec: "JobFile
 def _check_sampling_args(extra_args: dict[str, Any], job_path: Path) -> None:
     """An extra_args key the installed vLLM's SamplingParams does not have: refused now, not once
     vLLM has imported and the run is recorded failed."""
-    import difflib
-
     from runner.engines.vllm_settings import sampling_fields, vllm_version
 
     fields = sampling_fields() if extra_args else None
     unknown = sorted(set(extra_args) - fields) if fields else []
     if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(fields), n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
         raise SpecError(f"{job_path}: sampling.extra_args.{unknown[0]}: not a field of vllm.SamplingParams "
-                        f"({vllm_version()}){hint}")
+                        f"({vllm_version()}){_did_you_mean(unknown[0], fields)}")
 
 
 def _check_load_format(engine: EngineConfig, where: EngineSettingSource) -> None:
     """A load_format the installed vLLM does not know (a typo of `dummy`): refused now, not once
     vLLM has imported and the night's run is recorded failed."""
-    import difflib
-
     from runner.engines.vllm_settings import load_formats, vllm_version
 
     field, value = engine.load_format_setting
     known = load_formats() if isinstance(value, str) else None
     if known and value.lower() not in known:  # vLLM lowercases it
-        close = difflib.get_close_matches(value.lower(), sorted(known), n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
         raise SpecError(f"{where(field)}: {value!r} is not a load format of {vllm_version()} "
-                        f"({', '.join(sorted(known))}){hint}")
+                        f"({', '.join(sorted(known))}){_did_you_mean(value.lower(), known)}")
 
 
 def _check_engine_args(extra_args: dict[str, Any], where: EngineSettingSource) -> None:
     """An engine extra_args key the installed vLLM's LLM(...) does not take: refused now, where it
     passed validate and plan and stopped the run once vLLM had imported."""
-    import difflib
-
     from runner.engines.vllm_settings import llm_arg_names, vllm_version
 
     names = llm_arg_names() if extra_args else None
     unknown = sorted(set(extra_args) - names) if names else []
     if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(names), n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise SpecError(f"{where(f'extra_args.{unknown[0]}')}: not an argument of vllm.LLM ({vllm_version()}){hint}")
+        raise SpecError(f"{where(f'extra_args.{unknown[0]}')}: not an argument of vllm.LLM ({vllm_version()})"
+                        f"{_did_you_mean(unknown[0], names)}")
 
 
 def _check_speculative_keys(engine: EngineConfig, where: EngineSettingSource) -> None:
     """A key of a speculative setting (passed through to vLLM's speculative_config) that the
     installed vLLM's SpeculativeConfig does not have: refused now, not once the engine starts."""
-    import difflib
-
     from runner.engines.vllm_settings import speculative_fields, vllm_version
 
     cal = engine.calibration
@@ -134,6 +121,13 @@ def _check_speculative_keys(engine: EngineConfig, where: EngineSettingSource) ->
     unknown = [(at, k) for at, k in given if k.replace("-", "_") not in fields] if fields else []
     if unknown:
         at, key = unknown[0]
-        close = difflib.get_close_matches(key, sorted(fields), n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise SpecError(f"{where(f'{at}.{key}')}: not a key of vLLM's speculative_config ({vllm_version()}){hint}")
+        raise SpecError(f"{where(f'{at}.{key}')}: not a key of vLLM's speculative_config ({vllm_version()})"
+                        f"{_did_you_mean(key, fields)}")
+
+
+def _did_you_mean(name: str, known) -> str:
+    """The hint after a name vLLM would refuse: the closest known name ("; did you mean X?"), if any."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f"; did you mean {close[0]}?" if close else ""
