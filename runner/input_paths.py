@@ -139,8 +139,10 @@ def _linked_folders(root: str, named: set[str], depth: Optional[int]) -> Iterato
                 is_dir = entry.is_dir()  # through links: a loop of links, or no permission, raises
             except OSError:
                 is_dir = False
-            if entry.is_symlink() and (is_dir or not os.path.lexists(os.path.realpath(entry.path))):
-                yield inner, os.path.realpath(entry.path)
+            if entry.is_symlink():
+                real_target = os.path.realpath(entry.path)
+                if is_dir or not os.path.lexists(real_target):
+                    yield inner, real_target
             if is_dir and (depth is None or len(Path(inner).parts) < depth):
                 stack.append((inner, entry.path, above | {real}))
 

@@ -16,9 +16,9 @@ from runner.signals import Interrupted
 
 
 def lock_path(database: Path, job_name: str) -> Path:
-    """The job's lock file, beside its results database, by its real path: one database reached by
-    two names (a linked folder) is one lock, or two runs would hold "the lock" and the second would
-    mark the first's run row abandoned while it ran."""
+    """The job's lock file, beside its results database's real path: a database named through a
+    link to its file is one lock with the file's own name, or two runs would hold "the lock" and the
+    second would mark the first's run row abandoned while it ran."""
     return Path(f"{os.path.realpath(database)}.{job_name}.lock")
 
 
