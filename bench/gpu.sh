@@ -83,6 +83,10 @@
 # which no target reads for the 8B shape) and --deadline-s lets round 3 start (~1,000 s in all):
 #   WARMUP="invoices/tight/8b=sorted" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
 #     --repeats 3 --deadline-s 900 --cases "invoices/tight/8b=runner_first@1;invoices/tight/8b=sorted,runner,noseed"
+# Without noseed (785a79a, an H200: bench/results/2026-12-06-nvidia-h200-8b-stored.json; staging ~25 s,
+# install with the model's conversion ~117 s, the plan ~755 s; then gpu_smoke.sh ~215 s in the same lease):
+#   WARMUP="invoices/tight/8b=sorted" BENCH_COMMIT=<commit> bash bench/gpu.sh start --multi "" \
+#     --repeats 3 --deadline-s 800 --cases "invoices/tight/8b=runner_first@1;invoices/tight/8b=sorted,runner"
 # 84f3ee5's output lengths from the last run (since taken out) were measured on an H100 (no H200 came):
 # a runner warm-up, runner_first, 3 rounds of runner and noseed: ~1,150 s of device time with staging
 # (~30 s) and install (~100 s); bench/results/2026-12-05-nvidia-h100-8b-seeded-lengths.json.
