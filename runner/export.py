@@ -249,7 +249,7 @@ def _column_names(fields: dict[str, bool]) -> dict[str, str]:
     """Each extraction field's column: extraction_FIELD (a scalar) or extraction_FIELD_json. A name
     the export already has (a field called `json` is the result's own extraction_json; a field
     `tags_json` beside an array `tags`) gets _2, _3... in the order `fields` gives them (the stored
-    schema's, whose keys are sorted)."""
+    schema's own; runs stored by runner 0.2.0 and before have its keys sorted)."""
     taken = set(EXPORT_COLUMNS) | set(EXPORT_COLUMNS_ADDED)
     names = {}
     for field, scalar in fields.items():

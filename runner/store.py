@@ -114,7 +114,8 @@ class Store(SpeculationRecords, HistoryRecords, InputRecords):
 
     # -- runs -------------------------------------------------------------------------------
     def begin_run(self, job_name: str, job_path: str, config: dict, log_path: Optional[str] = None) -> int:
-        values = dict(job_name=job_name, job_path=job_path, config_json=json.dumps(config, sort_keys=True),
+        # not key-sorted: the output schema's properties keep their order, the export's column order
+        values = dict(job_name=job_name, job_path=job_path, config_json=json.dumps(config),
                       status="running", started_at_utc=utc_now(), runner_version=__version__,
                       host=socket.gethostname(), pid=os.getpid(), log_path=log_path)
         with self._tx() as conn:

@@ -372,3 +372,19 @@ def test_fields_by_local_ref_and_const_are_plain_columns_and_a_boolean_subschema
     row = exported(job.database_path, "jsonl", tmp_path)[0]
     assert (row["extraction_level"], row["extraction_count"], row["extraction_kind"]) == ("high", 3, "x")
     assert json.loads(row["extraction_anything_json"]) == {"a": [1]}
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "jsonl"])
+def test_extraction_columns_come_in_the_schema_s_own_order(make_job, tmp_path, fmt):
+    """The stored run kept its schema with sorted keys, so the columns came out alphabetically, not
+    as the schema file lists its fields."""
+    schema = {"type": "object", "properties": {"zone": {"type": "string"}, "amount": {"type": "number"},
+                                               "items": {"type": "array"}, "code": {"type": "string"}},
+              "required": ["zone", "amount", "items", "code"]}
+    job = load_job(make_job(rows=2, schema=schema))
+    run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema, respond=lambda r: json.dumps(
+        {"zone": "z", "amount": 1.5, "items": [], "code": r.row_id})))
+    got = exported(job.database_path, fmt, tmp_path)
+    names = got.column_names if fmt == "parquet" else list(got[0])
+    fields = [n for n in names if n.startswith("extraction_") and n != "extraction_json"]
+    assert fields == ["extraction_zone", "extraction_amount", "extraction_items_json", "extraction_code"]
