@@ -172,7 +172,7 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
     from runner.run import run_job
     from runner.spec import load_job
 
-    spec = load_job(job, overrides + ((f"input.limit={limit}",) if limit else ()), executor=executor)
+    spec = load_job(job, overrides, executor=executor, limit=limit)
     log, redirect = _engine_output(spec, verbose, "run")
     with redirect:
         summary = run_job(

@@ -45,12 +45,18 @@ def format_for(output: str, given: Optional[str]) -> str:
 
 def flat_fields(schema: dict) -> dict[str, bool]:
     """Top-level extraction fields -> whether each is a scalar (a plain column) or not (a JSON text
-    column). A field given by a local `$ref` is read where it points; `const` of a scalar is one; a
-    field whose schema is `true` or `false` (any value; none) is not."""
-    # an object schema; one that gives properties but no type (JSON Schema allows it) is read as one
-    if not isinstance(schema, dict) or schema.get("type", "object" if "properties" in schema else None) != "object":
+    column). A root or a field given by a local `$ref` is read where it points (schema generators
+    write `{"$ref": "#/$defs/Doc", "$defs": ...}`); `const` of a scalar is one; a field whose schema
+    is `true` or `false` (any value; none) is not."""
+    top = _followed(schema, schema) if isinstance(schema, dict) else None
+    if not isinstance(top, dict):
         return {}
-    properties = schema.get("properties")
+    # an object schema (`"type": ["object"]` too); one that gives properties but no type (JSON
+    # Schema allows it) is read as one
+    kind = top.get("type", "object" if "properties" in top else None)
+    if "object" not in (kind if isinstance(kind, list) else [kind]):
+        return {}
+    properties = top.get("properties")
     return {name: _scalar(_followed(sub, schema)) for name, sub in (properties or {}).items()} \
         if isinstance(properties, dict) else {}
 

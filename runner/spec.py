@@ -184,22 +184,26 @@ def load_engine_config(path: Path, overrides: dict[str, Any], job_path: Path) ->
 
 
 def load_job(path: str | Path, overrides: Sequence[str] = (), check_engine: bool = True,
-             executor: Optional[str] = None) -> Job:
+             executor: Optional[str] = None, limit: Optional[int] = None) -> Job:
     """Load and validate a job file, its engine config and its output schema. `overrides` are
     KEY=VALUE settings from the command line (`engine.max_num_seqs=64`): they beat the job file,
     which beats the engine config file, which beats the defaults. `check_engine=False` (commands
     that only read results) skips what vLLM would refuse (the model's length, tokens a step).
     `executor` (`runner run --executor`) replaces the job's before it is checked: what the job is
-    checked against (the installed vLLM, or a Ray cluster's) depends on it."""
-    raw = apply_overrides(read_yaml(Path(path)), overrides)
+    checked against (the installed vLLM, or a Ray cluster's) depends on it. `limit` (`runner run
+    --limit`) is input.limit; given beside `--set input.limit=...` it is refused, not a silent winner."""
+    if limit is not None and any(o.partition("=")[0].strip() == "input.limit" for o in overrides):
+        raise SpecError("--limit and --set input.limit both give the input's limit: give one")
+    given = " ".join([*(f"--set {o}" for o in overrides), *([f"--limit {limit}"] if limit is not None else [])])
+    raw = apply_overrides(read_yaml(Path(path)), [*overrides, *([f"input.limit={limit}"] if limit is not None else [])])
     if executor:
         raw["executor"] = executor
     try:
         return _load(Path(path), raw, check_engine)
     except SpecError as exc:
-        if not overrides:
+        if not given:
             raise
-        raise SpecError(f"{exc} (with --set {' --set '.join(overrides)})") from None
+        raise SpecError(f"{exc} (with {given})") from None
 
 
 def _load(shown: Path, raw: dict[str, Any], check_engine: bool = True) -> Job:

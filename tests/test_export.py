@@ -388,3 +388,21 @@ def test_extraction_columns_come_in_the_schema_s_own_order(make_job, tmp_path, f
     names = got.column_names if fmt == "parquet" else list(got[0])
     fields = [n for n in names if n.startswith("extraction_") and n != "extraction_json"]
     assert fields == ["extraction_zone", "extraction_amount", "extraction_items_json", "extraction_code"]
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#/$defs/Doc", "$defs": {"Doc": {"type": "object", "properties": {
+        "zz": {"type": "string"}, "mm": {"$ref": "#/$defs/Count"}, "aa": {"type": "array"}},
+        "required": ["zz", "mm", "aa"]}, "Count": {"type": "integer"}}},
+    {"type": ["object"], "properties": {"zz": {"type": "string"}, "mm": {"type": "integer"}, "aa": {"type": "array"}},
+     "required": ["zz", "mm", "aa"]},
+], ids=["root-ref", "type-list"])
+def test_a_schema_whose_root_is_a_ref_or_a_type_list_still_gets_its_field_columns(make_job, tmp_path, schema):
+    """Schema generators write the root as a `$ref` into `$defs`: the run accepted it, and the export
+    had no extraction_FIELD column at all (nor for `"type": ["object"]`)."""
+    job = load_job(make_job(rows=2, schema=schema))
+    run_job(job, engine_factory=lambda j: FakeEngine(j.output_schema, respond=lambda r: json.dumps(
+        {"zz": r.row_id, "mm": 3, "aa": [1]})))
+    rows = exported(job.database_path, "parquet", tmp_path).to_pylist()
+    assert [(r["extraction_zz"], r["extraction_mm"], r["extraction_aa_json"]) for r in rows] == \
+        [("r000", 3, "[1]"), ("r001", 3, "[1]")]

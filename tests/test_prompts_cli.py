@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from pathlib import Path
 
 import pytest
 import yaml
@@ -237,3 +238,17 @@ def test_a_whole_section_given_with_set_merges_and_a_broken_list_is_refused():
     # text YAML cannot read, with its brackets closed, stays text
     assert apply_overrides({}, ["prompts.user_template=[INST] {text} [/INST]"]) == \
         {"prompts": {"user_template": "[INST] {text} [/INST]"}}
+
+
+def test_an_error_names_limit_as_the_user_gave_it_and_limit_beside_set_input_limit_is_refused(make_job):
+    """--limit N reached the loader as `--set input.limit=N`: an error said "(with --set input.limit=5)"
+    to a user who never typed --set, and `--limit 5 --set input.limit=abc` ran with --limit winning."""
+    job = make_job()
+    text = Path(job).read_text().replace("text_column:", "txt_column:")
+    Path(job).write_text(text)
+    result = invoke("run", "--engine", "fake", "--limit", "5", "--set", "output.commit_every_rows=2", job)
+    assert result.exit_code == 2
+    assert result.output.rstrip().endswith("(with --set output.commit_every_rows=2 --limit 5)"), result.output
+    result = invoke("run", "--engine", "fake", "--limit", "5", "--set", "input.limit=abc", job)
+    assert result.exit_code == 2
+    assert result.output.strip() == "Error: --limit and --set input.limit both give the input's limit: give one"
