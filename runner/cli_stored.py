@@ -86,7 +86,7 @@ def _version_line(group: dict, compared: bool, current, known: dict, components)
         what = "made before fingerprints (kept; --restart redoes them)"
     else:
         what = "changed: " + (", ".join(changed_parts(known[fp], components)) if fp in known else "unknown")
-    statuses = ", ".join(f"{k} {v}" for k, v in sorted(group["statuses"].items()))
+    statuses = ", ".join(f"{k} {v:,}" for k, v in sorted(group["statuses"].items()))
     aside = f"; {group['set_aside']:,} of them set aside by --restart" if group["set_aside"] else ""
     return fp or "-", (f"{plural(group['rows'], 'row')} ({statuses}), made {group['first_at_utc'][:16]} .. "
                        f"{group['last_at_utc'][:16]}; {what}{aside}")

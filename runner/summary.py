@@ -88,7 +88,8 @@ def process_gone(run: dict) -> Optional[bool]:
 
 def run_status(run: dict) -> str:
     """A run's status as stats and reports show it: a killed run still marked running says so."""
-    gone = f" (its process {run.get('pid')} is gone: killed; the next run marks it interrupted)"
+    gone = (f" (its process {run.get('pid')} is gone: killed, or quit by a second Ctrl-C; the next run marks it"
+            " interrupted)")
     return run["status"] + (gone if process_gone(run) else "")
 
 

@@ -82,7 +82,7 @@ def test_a_changed_schema_redoes_the_stored_rows_and_keeps_the_old_ones(make_job
     assert {r["run_id"] for r in got[1]} == {1} and {r["run_id"] for r in got[3]} == {3}
     assert all(r["output_text"] and r["created_at_utc"] for r in got[1] + got[3])
     # the columns added later come after the extraction's, where readers by position do not look
-    assert list(got[1][0])[-7:] == ["extraction_sentiment", "extraction_summary", "run_id", "fingerprint",
+    assert list(got[1][0])[-7:] == ["extraction_summary", "extraction_sentiment", "run_id", "fingerprint",
                                     "created_at_utc", "output_text", "document_tokens_cut"]
 
 
@@ -504,7 +504,8 @@ def test_stats_tells_a_run_whose_process_was_killed_from_one_under_way(make_job,
         shown = json.loads(CliRunner().invoke(cli, ["stats", "--job", str(job), "--json"]).stdout)
         assert shown[0]["process_gone"] is gone and shown[0]["run"]["status"] == "running"
         line = invoke("stats", "--job", job).output.splitlines()[0]
-        assert (f"running (its process {pid} is gone: killed; the next run marks it interrupted)" in line) is gone
+        assert (f"running (its process {pid} is gone: killed, or quit by a second Ctrl-C; the next run marks it "
+                "interrupted)" in line) is gone
         report = CliRunner().invoke(cli, ["report", "1", "--job", str(job)]).stdout  # the report says the same
         assert ("<th>status</th><td>running (its process" in report) is gone and "<th>status</th><td>running" in report
     assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
@@ -756,3 +757,10 @@ def test_status_with_the_model_missing_says_so_and_does_not_call_the_rows_change
     assert invoke("validate", job, "--set", f"engine.model={tmp_path / 'gone'}").exit_code == 4
     out = invoke("status", job)
     assert out.exit_code == 0 and "current" in out.stdout and "next run: nothing to run" in out.stdout, out.output
+
+
+def test_status_writes_every_count_of_a_version_with_thousands_separators(make_job):
+    job = make_job(rows=1200)
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    status = invoke("status", job)
+    assert status.exit_code == 0 and "1,200 rows (ok 1,200)" in status.output, status.output
