@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 import click
 
@@ -158,12 +159,16 @@ def _write_text(path: Path, text: str, reading: Path, keep) -> None:
     write_whole(path, lambda part: part.write_text(text, encoding="utf-8"), reading=reading, keep=keep)
 
 
-def _job_sources(job, overrides):
-    """The test of what of the job given with --job a path is (unloaded_job.job_sources; None without
-    --job): an export or report is not written over the job's own files."""
+def _job_sources(job, overrides, run: Optional[dict] = None):
+    """The test of what of the job's own files a path is (unloaded_job.job_sources): an export or
+    report is not written over them. With --db, the job file the run was started from, if it is
+    still there (its --set settings are not known: the file as it is now). None: nothing to guard."""
     from runner.unloaded_job import job_sources
 
-    return job_sources(job, overrides) if job else None
+    if job:
+        return job_sources(job, overrides)
+    path = (run or {}).get("job_path")
+    return job_sources(path) if path and Path(path).is_file() else None
 
 
 def _run_json(store, r: dict) -> dict:
@@ -202,13 +207,13 @@ def report(run_id, job, db, overrides, output):
     if output == "-":
         check_stdout("give -o FILE.html")
     store, job_name = _open_store(job, db, overrides)
-    _run_of(store, run_id, job_name)
+    run = _run_of(store, run_id, job_name)
     html = render_report(store, run_id)
     store.check_unchanged()
     if output == "-":
         say(html, nl=False)
         return
-    _write_text(_file_path(output), html, reading=store.path, keep=_job_sources(job, overrides))
+    _write_text(_file_path(output), html, reading=store.path, keep=_job_sources(job, overrides, run))
     confirm(f"Report: {output}")
 
 
@@ -231,8 +236,8 @@ def export(run_id, job, db, overrides, fmt_, output):
     text in extraction_FIELD_json, every value JSON, a string quoted (a name taken already, as by
     a field called json, gets _2). Then run_id, fingerprint, created_at_utc, the model's raw
     output_text and document_tokens_cut. Row ids are text, whatever their type in the input.
-    The job's own files (with --job) are refused as -o, as is the database; a compressed name
-    (.gz) is refused: compress the file after.
+    The job's own files (with --job, or with --db the job file the run was started from) are
+    refused as -o, as is the database; a compressed name (.gz) is refused: compress the file after.
 
     \b
     Example:
@@ -249,11 +254,10 @@ def export(run_id, job, db, overrides, fmt_, output):
     store, job_name = _open_store(job, db, overrides)
     if run_id is None and job_name is None:
         raise SpecError("give RUN_ID, or --job JOB to export the whole job")
-    if run_id is not None:
-        _run_of(store, run_id, job_name)
+    run = _run_of(store, run_id, job_name) if run_id is not None else None
     to_stdout = output == "-"
     n = export_run(store, run_id, fmt_, target, None if run_id is not None else job_name,
-                   keep=_job_sources(job, overrides))
+                   keep=_job_sources(job, overrides, run))
     (warn if to_stdout else confirm)(f"Exported {plural(n, 'row')} to {'stdout' if to_stdout else output}")
     # against the rows written, read in one snapshot: a prune while it ran would make a second read differ
     stats = store.stats(run_id) if run_id is not None else None

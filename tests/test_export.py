@@ -406,3 +406,20 @@ def test_a_schema_whose_root_is_a_ref_or_a_type_list_still_gets_its_field_column
     rows = exported(job.database_path, "parquet", tmp_path).to_pylist()
     assert [(r["extraction_zz"], r["extraction_mm"], r["extraction_aa_json"]) for r in rows] == \
         [("r000", 3, "[1]"), ("r001", 3, "[1]")]
+
+
+def test_with_db_the_job_file_the_run_started_from_is_guarded_too(make_job, tmp_path):
+    """`export 1 --db results.sqlite -o data/docs.parquet` replaced the job's input: only --job guarded."""
+    job = make_job(rows=3)
+    assert CliRunner().invoke(cli, ["run", "--engine", "fake", "--quiet", str(job)]).exit_code == 0
+    db = tmp_path / "out" / "results.sqlite"
+    before = {p: p.read_bytes() for p in (job, tmp_path / "data" / "docs.parquet")}
+    for args, target, what in ((["export", "1", "--format", "parquet"], tmp_path / "data" / "docs.parquet",
+                                "one of the job's input files"),
+                               (["report", "1"], job, "the job file")):
+        out = CliRunner().invoke(cli, [*args, "--db", str(db), "-o", str(target)])
+        assert out.exit_code == 6 and out.output == f"Error: {target}: is {what}: give another file\n", out.output
+    assert all(p.read_bytes() == data for p, data in before.items())
+    job.rename(tmp_path / "gone.yaml")  # the job file is no longer there: nothing to go by, the export is written
+    out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "-o", str(tmp_path / "data" / "docs.parquet")])
+    assert out.exit_code == 0, out.output
