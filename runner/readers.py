@@ -22,6 +22,16 @@ from runner.errors import InputError
 from runner.spec import InputSpec
 
 
+def _refuse_open_quote_if_readable(file: str) -> None:
+    """refuse_open_quote's InputError, where the file can be read to its end at all."""
+    try:
+        refuse_open_quote(file)
+    except InputError:
+        raise
+    except Exception:  # noqa: BLE001 - the error pyarrow gave is the one to report then
+        pass
+
+
 def _is_parquet(file: str) -> bool:
     """Whether the file begins as Parquet does (PAR1)."""
     try:
@@ -87,7 +97,8 @@ class LocalReader(Reader):
                 fmt = file_format(file, self.spec.format)
                 if fmt != "parquet" and _is_parquet(file):  # input.format names another format than the file's
                     raise InputError(f"{file}: a Parquet file, read as {fmt} (input.format: {fmt})") from None
-                if fmt == "csv":
+                if fmt == "csv":  # a quote left open swallows the rows after it: say that, not their count
+                    _refuse_open_quote_if_readable(file)
                     raise InputError(explain_csv_error(file, str(exc))) from None
                 raise InputError(f"{file}: corrupt or unreadable {fmt} data ({exc})") from None
 

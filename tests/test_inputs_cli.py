@@ -460,3 +460,14 @@ def test_openai_batch_lines_keep_every_instruction_refuse_conversations_and_may_
     assert out.exit_code == 3 and out.output == (
         f"Error: {tmp_path / 'chat.jsonl'}: line 1: a conversation of several turns (user, assistant, user): a row is "
         "one system prompt and one user message (few-shot turns go in the job's prompts.examples)\n"), out.output
+
+
+def test_a_quote_left_open_before_the_last_column_is_named_as_such(make_job, tmp_path):
+    """Opened before the last column, the quote swallows the rest of the file into one field: pyarrow
+    then counts too few fields in that row, and the error said so instead of naming the open quote."""
+    (tmp_path / "docs.csv").write_text('id,text,system_prompt,a,b\n1,fine,S,x,y\n2,"cut off\nand more,S,x,y\n')
+    job = make_job(job={"input": {"path": "docs.csv"}})
+    out = invoke("validate", job)
+    assert out.exit_code == 3 and out.output.strip() == (
+        f"Error: {tmp_path / 'docs.csv'}: the file ends inside a quoted field opened in the row on line 3: it was cut "
+        "off, or its quoting is broken"), out.output
