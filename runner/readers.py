@@ -175,6 +175,8 @@ class LocalReader(Reader):
         except OSError as exc:
             raise InputError(f"{file}: not a readable Parquet file ({exc})") from None
         except Exception as exc:  # pyarrow raises ArrowInvalid and others for corrupt files
+            if self.spec.format == "parquet" and not _is_parquet(file) and not file.endswith(".parquet"):
+                raise InputError(f"{file}: not a Parquet file, read as parquet (input.format: parquet)") from None
             raise InputError(f"{file}: corrupt Parquet file ({exc.__class__.__name__}: {exc})") from None
 
     def _check_columns(self, file: str, names: set[str], partition: dict) -> None:

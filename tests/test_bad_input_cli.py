@@ -356,3 +356,15 @@ def test_validate_refuses_a_database_on_a_filesystem_even_root_cannot_write(make
         assert result.exit_code == 6 and result.output == (
             "Error: /sys/x.sqlite: output.database: cannot be written: /sys is not a folder this user can write "
             "in\n"), result.output
+
+
+def test_a_file_of_another_format_read_as_parquet_is_said_so(make_job, tmp_path):
+    """input.format: parquet on a JSON Lines file said "corrupt Parquet file (ArrowInvalid: ... magic bytes ...)"."""
+    (tmp_path / "docs.jsonl").write_text('{"id": "1", "text": "t", "system_prompt": "S"}\n')
+    job = make_job(rows=3)
+    out = CliRunner().invoke(cli, ["validate", "--set", "input.path=docs.jsonl", "--set", "input.format=parquet", str(job)])
+    assert out.exit_code == 3 and out.output == (
+        f"Error: {tmp_path / 'docs.jsonl'}: not a Parquet file, read as parquet (input.format: parquet)\n"), out.output
+    (tmp_path / "data" / "docs.parquet").write_bytes(b"PAR1 cut off")  # named and begun as Parquet: corrupt
+    out = CliRunner().invoke(cli, ["validate", str(job)])
+    assert out.exit_code == 3 and ": corrupt Parquet file (" in out.output, out.output
