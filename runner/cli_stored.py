@@ -61,8 +61,9 @@ def status(job, overrides):
     *groups, history = store.rows_by_fingerprint(name)
     say(f"job {name}: {plural(sum(g['rows'] for g in groups), 'row')} stored in {store.path}")
     pid = holder(store.path, name)
-    if pid is not None:  # the counts below move while it stores rows
-        say(f"running now: pid {pid} holds the job's lock (run, calibrate, verify, distill or prune)")
+    if pid is not None:  # each count below is read at its own moment
+        say(f"running now: pid {pid} holds the job's lock (run, calibrate, verify, distill or prune); "
+            "the counts below move while it stores rows")
     rows = [_version_line(g, spec is not None, current, known, components) for g in groups]
     if rows:
         say(table(rows))
