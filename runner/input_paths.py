@@ -58,7 +58,7 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
             # as written: `team [x]/data/` empty is not `team x/data/`)
             files = _globbed(path, os.path.dirname(literal))
     elif os.path.isdir(path):
-        files = sorted(f for f in _walk(path) if os.path.basename(f).lower().endswith(endings))
+        files = _unlinked_first(sorted(f for f in _walk(path) if os.path.basename(f).lower().endswith(endings)))
     elif os.path.isfile(path):
         files = [path]
     else:
@@ -188,9 +188,17 @@ def _fixed_part(pattern: str) -> str:
 
 
 def _once(files: list[str]) -> list[str]:
-    """Each file once, by its first name: `**` through a link back up names the same files again."""
+    """Each file once, by its first name: `**` through a link back up names the same files again, as
+    does a link to a file (latest.parquet -> part-7.parquet) beside it."""
     seen: set[str] = set()
     return [f for f in files if not (os.path.realpath(f) in seen or seen.add(os.path.realpath(f)))]
+
+
+def _unlinked_first(files: list[str]) -> list[str]:
+    """Each file once: a link to a file the walk reads under its own name too (latest.parquet ->
+    year=2024/part-7.parquet) is left to that name, which holds the hive partition; else by its first name."""
+    plain = {os.path.realpath(f) for f in files if not os.path.islink(f)}
+    return _once([f for f in files if not os.path.islink(f) or os.path.realpath(f) not in plain])
 
 
 def _walk(folder: str) -> Iterator[str]:

@@ -395,3 +395,19 @@ def test_a_write_through_a_link_in_the_input_folder_is_refused(make_job, tmp_pat
     (tmp_path / "via").symlink_to(tmp_path)
     globbed = job_sources(job, ["input.path=data/*.parquet"])
     assert globbed(tmp_path / "via" / "data" / "new.parquet") is not None
+
+
+def test_a_link_to_a_file_in_the_input_folder_leaves_it_to_its_own_name(tmp_path):
+    """`latest.parquet -> year=2024/part-7.parquet` made the folder's rows twice: exit 3, duplicate id."""
+    write_docs(tmp_path / "in" / "year=2024" / "part-7.parquet", 2)
+    (tmp_path / "in" / "latest.parquet").symlink_to(tmp_path / "in" / "year=2024" / "part-7.parquet")
+    (tmp_path / "in" / "also.parquet").symlink_to(tmp_path / "in" / "latest.parquet")  # a link to the link
+    spec = SPEC.model_copy(update={"extra_columns": ["year"]})
+    assert [p.split("/in/", 1)[1] for p in input_files(str(tmp_path / "in"))] == ["year=2024/part-7.parquet"]
+    assert [r.fields["year"] for r in iter_documents(str(tmp_path / "in"), spec, None)] == ["2024", "2024"]
+    # two links to one file outside the folder: read once, by the first name
+    (tmp_path / "in2").mkdir()
+    for name in ("b.parquet", "a.parquet"):
+        (tmp_path / "in2" / name).symlink_to(tmp_path / "in" / "year=2024" / "part-7.parquet")
+    assert [p.split("/in2/", 1)[1] for p in input_files(str(tmp_path / "in2"))] == ["a.parquet"]
+    assert scan_input(str(tmp_path / "in2"), SPEC).rows == 2
