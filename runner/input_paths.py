@@ -69,6 +69,14 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     return files
 
 
+def partition_root(path: str) -> Optional[str]:
+    """The folder below which `key=value` folder names are hive partitions: the input folder, or a
+    glob's fixed part (its leading folder as input_files reads it); None for a file named outright."""
+    if any(ch in path for ch in "*?[") and not os.path.exists(path):
+        return max(_fixed_part(path), _existing_folder(path), key=len)
+    return path if os.path.isdir(path) else None
+
+
 def would_read(target: str, path: str, declared: Optional[str] = None) -> bool:
     """Whether a file at `target` (absolute, links resolved) would be among the files the input path
     names, were it there: one of its format's endings in a folder the input folder's walk reads

@@ -16,7 +16,7 @@ from typing import Iterator, Optional
 
 from runner import json_lines
 from runner.blocks import Resumable
-from runner.input_paths import file_format, input_files
+from runner.input_paths import file_format, input_files, partition_root
 from runner.csv_quotes import explain_csv_error, refuse_open_quote
 from runner.errors import InputError
 from runner.spec import InputSpec
@@ -151,14 +151,16 @@ class LocalReader(Reader):
 
     def _fragments(self) -> Iterator[tuple[str, dict]]:
         """(file, hive partition values) for each file, in path order: folders named `key=value`
-        under the input folder are columns of every row below them (Hive's convention, as
-        pyarrow.dataset reads it)."""
+        under the input folder or a glob's fixed part are columns of every row below them (Hive's
+        convention, as pyarrow.dataset reads it: `__HIVE_DEFAULT_PARTITION__`, Spark's null, is null)."""
         from urllib.parse import unquote
 
-        root = Path(self.input_path) if os.path.isdir(self.input_path) else None
+        root = partition_root(self.input_path)
         for f in self.files():
-            parts = Path(f).relative_to(root).parts[:-1] if root else ()
-            yield f, dict(unquote(p).split("=", 1) for p in parts if "=" in p)
+            below = os.path.relpath(f, root) if root else ".."
+            parts = Path(below).parts[:-1] if not below.startswith("..") else ()
+            pairs = (unquote(p).split("=", 1) for p in parts if "=" in p)
+            yield f, {k: None if v == HIVE_NULL else v for k, v in pairs}
 
     def _open(self, file: str, columns: list[str]):
         import pyarrow.parquet as pq
@@ -201,6 +203,9 @@ def csv_options(spec: InputSpec, block_bytes: Optional[int] = None) -> dict:
                 convert_options=pcsv.ConvertOptions(column_types=text, strings_can_be_null=True, null_values=[""]), **blocks)
 
 
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # the folder name Hive and Spark write for a null partition value
+
+
 def _with_partition(file: str, batch, partition: dict, columns: list[str]):
     """The batch, with hive partition values added as constant text columns. Where the file has
     the column too (Parquet), its values must be the folder's: else one would replace the other."""
@@ -215,10 +220,10 @@ def _with_partition(file: str, batch, partition: dict, columns: list[str]):
             continue
         if name in arrays:
             own = pc.cast(arrays[name], pa.string())
-            differ = pc.filter(own, pc.not_equal(own, pa.scalar(value, pa.string())))
+            differ = pc.filter(own, pc.is_valid(own) if value is None else pc.not_equal(own, pa.scalar(value, pa.string())))
             if len(differ):
                 raise InputError(f"{file}: column {name!r} holds {differ[0].as_py()!r} where its folder's name says "
-                                 f"{name}={value}: rename the column or the folder")
+                                 f"{name}={HIVE_NULL if value is None else value}: rename the column or the folder")
         arrays[name] = pa.array([value] * batch.num_rows, pa.string())
     return pa.record_batch([arrays[c] for c in columns], names=columns)
 

@@ -411,3 +411,27 @@ def test_a_link_to_a_file_in_the_input_folder_leaves_it_to_its_own_name(tmp_path
         (tmp_path / "in2" / name).symlink_to(tmp_path / "in" / "year=2024" / "part-7.parquet")
     assert [p.split("/in2/", 1)[1] for p in input_files(str(tmp_path / "in2"))] == ["a.parquet"]
     assert scan_input(str(tmp_path / "in2"), SPEC).rows == 2
+
+
+def test_hive_partitions_below_a_glob_s_fixed_part_and_spark_s_null_partition(tmp_path):
+    """A glob lost every partition column ("column 'month' not found"), and Spark's folder for a null
+    value reached the prompt as the text __HIVE_DEFAULT_PARTITION__."""
+    write_docs(tmp_path / "data" / "year=2024" / "month=01" / "p.parquet", 2)
+    write_docs(tmp_path / "data" / "year=2024" / "month=__HIVE_DEFAULT_PARTITION__" / "p.parquet", 1)
+    spec = SPEC.model_copy(update={"extra_columns": ["month"]})
+    got = [r.fields["month"] for r in iter_documents(str(tmp_path / "data" / "year=2024" / "*" / "*.parquet"), spec, None)]
+    assert got == ["01", "01", ""]  # null, shown as empty as every null field is
+    both = SPEC.model_copy(update={"extra_columns": ["year", "month"]})
+    rows = list(iter_documents(str(tmp_path / "data"), both, None))  # a folder: every level below it
+    assert [(r.fields["year"], r.fields["month"]) for r in rows] == [("2024", "01"), ("2024", "01"), ("2024", "")]
+    with pytest.raises(InputError, match="column 'year' .*not found"):  # in the glob's fixed part: not a column
+        list(iter_documents(str(tmp_path / "data" / "year=2024" / "*" / "*.parquet"), both, None))
+
+
+def test_a_file_column_beside_spark_s_null_partition_must_be_null(tmp_path):
+    write_docs(tmp_path / "in" / "city=__HIVE_DEFAULT_PARTITION__" / "p.parquet", 2, city=["Oslo", None])
+    spec = SPEC.model_copy(update={"extra_columns": ["city"]})
+    with pytest.raises(InputError, match="holds 'Oslo' where its folder's name says city=__HIVE_DEFAULT_PARTITION__"):
+        list(iter_documents(str(tmp_path / "in"), spec, None))
+    write_docs(tmp_path / "in2" / "city=__HIVE_DEFAULT_PARTITION__" / "p.parquet", 2, city=pa.array([None, None], pa.string()))
+    assert [r.fields["city"] for r in iter_documents(str(tmp_path / "in2"), spec, None)] == ["", ""]
