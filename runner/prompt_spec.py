@@ -121,8 +121,8 @@ def _check_the_document(shown: Path, user_fields: set[str], system_fields: set[s
 def _read(base: Path, rel: str, shown: Path, field: str) -> str:
     path = Path(rel).expanduser()
     path = path if path.is_absolute() else (base / path).resolve()
-    try:
-        return path.read_text(encoding="utf-8")
+    try:  # a byte-order mark (Windows editors) is no part of the text: it would reach the model as tokens
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise SpecError(f"{shown}: {field}: {path}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:

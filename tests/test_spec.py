@@ -648,3 +648,11 @@ def test_a_load_format_vllm_knows_passes_in_any_case_and_a_plugin_may_add_one(ma
     plugin = metadata.EntryPoint("mine", "my_plugin:register", "vllm.general_plugins")
     monkeypatch.setattr(metadata, "entry_points", lambda group=None, **kw: [plugin] if group == "vllm.general_plugins" else [])
     assert load_job(path, ["engine.load_format=my_loader"]).engine.load_format == "my_loader"
+
+
+def test_a_prompt_file_s_byte_order_mark_is_no_part_of_the_prompt(make_job, tmp_path):
+    """Saved by a Windows editor, prompts.system_file began with U+FEFF: three tokens of junk the
+    model saw on every row. Its last line end stays: the file's text as it is."""
+    (tmp_path / "sys.txt").write_bytes(b"\xef\xbb\xbfYou are terse.\n")
+    job = load_job(make_job(), ["input.system_prompt_column=null", "prompts.system_file=sys.txt"])
+    assert job.system_prompt == "You are terse.\n"
