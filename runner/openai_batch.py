@@ -52,11 +52,12 @@ def row(line: str, file: str, number: int) -> dict:
 
 
 def _text(content) -> str:
-    """A message's text: a string, or the text parts of a list of content parts (null: none)."""
+    """A message's text: a string, or the text parts of a list of content parts, each on a line of
+    its own as vLLM joins them for a template that takes text (null: none)."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(part if isinstance(part, str) else part["text"] for part in content
-                   if isinstance(part, str) or part.get("type") == "text")
+    return "\n".join(part if isinstance(part, str) else part["text"] for part in content
+                     if isinstance(part, str) or part.get("type") == "text")
 
 
 def batches(file: str, batch_rows: int) -> Iterator:

@@ -135,6 +135,8 @@ def test_openai_batch_files_as_clients_write_them(make_job, tmp_path):
 
     assert [b.to_pylist() for b in batches(str(tmp_path / "dev.jsonl"), 10)] == [
         [{"custom_id": "d", "system": "D", "user": "u"}]]
+    # content parts, each on a line of its own, as vLLM's chat parsing joins them ("Sys parts" before)
+    assert [b.to_pylist() for b in batches(str(tmp_path / "batch.jsonl"), 10)][0][0]["user"] == "part one, \ntwo"
     (tmp_path / "batch.jsonl").write_bytes(b'{"custom_id": "x", "body": {"messages": []}}\n{"custom_id": "\xff"}\n')
     bad = invoke("validate", *args, job)
     assert bad.exit_code == 3 and "batch.jsonl: line 2: not UTF-8 text" in bad.output and bad.output.count("\n") == 1
