@@ -113,13 +113,26 @@ class _NotTheContract(Exception):
 
 def _fits(read_as, field: str) -> bool:
     """Whether a job column read as this type can hold what the row contract asks (ids integers
-    or text, the text and system prompt text); extra columns take any type."""
+    or text, the text and system prompt text); extra columns take any type but an object: pyarrow
+    gives every line's object the keys of all of them (null where a line lacks one) in the first
+    line's order, so a row's prompt would depend on the other lines; read in Python, it is as written."""
     import pyarrow as pa
 
     if field == "input.extra_columns":
-        return True
+        return not _holds_struct(read_as)
     text = pa.types.is_string(read_as) or pa.types.is_large_string(read_as)
     return text or (field == "input.id_column" and pa.types.is_integer(read_as))
+
+
+def _holds_struct(t) -> bool:
+    """Whether an Arrow type is, or holds at any depth, a struct (a JSON object)."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(t):
+        return True
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _holds_struct(t.value_type)
+    return False
 
 
 def _as_read(inferred):

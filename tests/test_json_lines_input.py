@@ -188,3 +188,25 @@ def test_ids_past_64_bits_are_exact_and_a_fractional_id_names_its_line(make_job,
     out = invoke("validate", "--set", "input.path=frac.jsonl", job)
     assert out.exit_code == 3 and out.output.count("\n") == 1, out.output
     assert "frac.jsonl: line 2: column 'id' (input.id_column) holds 2.5" in out.output, out.output
+
+
+def test_an_object_column_is_each_line_s_own_object_whatever_the_other_lines_hold(tmp_path):
+    """pyarrow types a column of objects as one struct of every line's keys: row 2's {"a": 3} reached
+    the prompt as {"b": null, "a": 3, "c": null}, and as {"a": 3} once another line made the file
+    read in Python: one row, two prompts."""
+    from runner.inputs import read_documents
+    from runner.readers import LocalReader
+    from runner.spec import InputSpec
+
+    spec = InputSpec(path="x", id_column="id", text_column="text", system_prompt_column="system_prompt",
+                     extra_columns=["meta"])
+
+    def metas(*lines):
+        (tmp_path / "d.jsonl").write_text("".join(lines))
+        got = [d.fields["meta"] for d in read_documents(LocalReader(str(tmp_path / "d.jsonl"), spec), None)]
+        return [json.loads(m) if m else m for m in got]
+
+    assert metas(row(1, meta={"b": 1, "a": 2}), row(2, meta={"a": 3}), row(3, meta={"a": 3, "c": {"deep": True}}),
+                 row(5, meta=None)) == [{"b": 1, "a": 2}, {"a": 3}, {"a": 3, "c": {"deep": True}}, ""]
+    assert metas(row(1, meta=[{"x": 1}]), row(2, meta=[{"y": 2}, {"x": 3}])) == [[{"x": 1}], [{"y": 2}, {"x": 3}]]
+    assert metas(row(1, meta=[1, 2]), row(2, meta=[3])) == [[1, 2], [3]]  # no object: pyarrow's read stands
