@@ -61,8 +61,8 @@ def work_to_do(store: Store, job: Job, scan: InputScan, retry_failed: bool) -> W
     if not counts.stored and (renamed := renamed_from(store, job, scan, fingerprint)):
         work.notes.append(renamed)
     if kept:
-        work.notes.append(f"input.on_too_long changed: {plural(kept, 'stored row')} that it does not change kept "
-                          "(neither cut nor too long)")
+        work.notes.append(f"input.on_too_long or engine.max_model_len changed: {plural(kept, 'stored row')} that it "
+                          "does not change kept (neither cut nor too long)")
     return work
 
 
@@ -79,18 +79,28 @@ def renamed_from(store: Store, job: Job, scan: InputScan, fingerprint: str) -> O
             f"reused; set `name: {name}` to resume them")
 
 
+LENGTH_RULE = {"on_too_long", "engine.max_model_len"}  # what decides which rows are cut or too long, and no more
+
+
 def length_rule_changes(store: Store, job: Job, fingerprint: str, components: dict) -> tuple[list[str], int]:
-    """(the job's stored fingerprints that differ from this one in input.on_too_long alone, the
-    longest prompt a row may have: a row that fitted it whole was not touched by that rule)."""
-    room = job.engine.max_model_len - job.spec.sampling.max_tokens
-    return [fp for fp, old in store.fingerprint_components(job.name).items()
-            if fp != fingerprint and changed_parts(old, components) == ["on_too_long"]], room
+    """(the job's stored fingerprints that differ from this one in input.on_too_long or
+    engine.max_model_len alone, the longest prompt a row may have now: a row that fitted it whole
+    and was not cut was made as it would be now, its prompt and max_tokens within both lengths)."""
+    max_tokens = job.spec.sampling.max_tokens  # the same in both: sampling is not in LENGTH_RULE
+    fps, rooms = [], [job.engine.max_model_len - max_tokens]
+    for fp, old in store.fingerprint_components(job.name).items():
+        old_length = (old.get("engine") or {}).get("max_model_len")
+        if fp != fingerprint and set(changed_parts(old, components)) <= LENGTH_RULE and isinstance(old_length, int):
+            fps.append(fp)
+            rooms.append(old_length - max_tokens)  # a row too long then (failed, or cut) is run again
+    return fps, min(rooms)
 
 
 def keep_rows_the_length_rule_does_not_touch(store: Store, job: Job, fingerprint: str, components: dict) -> int:
-    """Where input.on_too_long is all that changed, the stored rows it cannot change (their
-    prompt fitted whole) take the new fingerprint instead of running again; the rows it was
-    applied to (cut, or failed as too long) run again. Returns how many were kept."""
+    """Where input.on_too_long or engine.max_model_len is all that changed, the stored rows it
+    cannot change (their prompt fitted whole, and fits now) take the new fingerprint instead of
+    running again; the rows it was applied to (cut, or failed as too long) run again. Returns how
+    many were kept."""
     fps, room = length_rule_changes(store, job, fingerprint, components)
     return sum(store.adopt_uncut_rows(job.name, fp, fingerprint, room) for fp in fps)
 

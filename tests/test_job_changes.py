@@ -123,7 +123,8 @@ def test_switching_on_too_long_runs_again_only_the_rows_it_applies_to(make_job, 
     assert all(after[r][2] == made[r] for r in made if r != "r004")  # not run again
     assert len({a[3] for a in after.values()}) == 1  # every row is the job's current version
     assert count(db, "results_history") == 1
-    kept = "input.on_too_long changed: 5 stored rows that it does not change kept (neither cut nor too long)"
+    kept = ("input.on_too_long or engine.max_model_len changed: 5 stored rows that it does not change kept "
+            "(neither cut nor too long)")
     assert kept in out.output
     assert kept in json.loads(sqlite3.connect(db).execute(
         "SELECT engine_choice_json FROM run_stats ORDER BY run_id DESC").fetchone()[0])["notes"]
@@ -765,3 +766,28 @@ def test_status_writes_every_count_of_a_version_with_thousands_separators(make_j
     assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
     status = invoke("status", job)
     assert status.exit_code == 0 and "1,200 rows (ok 1,200)" in status.output, status.output
+
+
+def test_a_changed_max_model_len_runs_again_only_the_rows_the_length_touched(make_job, tmp_path):
+    """Raising engine.max_model_len ran every stored row again, though a row that fitted both lengths
+    is made the same; the row that was too long runs again, and lowering it reruns what no longer fits."""
+    from tests.conftest import write_docs
+
+    docs = write_docs(tmp_path / "data" / "long.parquet", 6)
+    t = pq.read_table(docs).to_pydict()
+    t["text"][4] = "word " * 300  # too long for max_model_len 1024, within 2048
+    pq.write_table(pa.table(t), docs)
+    job = make_job(docs=docs)
+    db = tmp_path / "out" / "results.sqlite"
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0
+    assert dict(rows(db, "row_id", "status"))["r004"] == "failed"
+    made = dict(rows(db, "row_id", "created_at_utc"))
+    out = invoke("run", "--engine", "fake", "--set", "engine.max_model_len=2048", job)
+    assert out.exit_code == 0 and "running 1 stored row again" in out.output, out.output
+    assert dict(rows(db, "row_id", "status"))["r004"] == "ok"
+    after = dict(rows(db, "row_id", "created_at_utc"))
+    assert [r for r in made if after[r] != made[r]] == ["r004"]
+    # back to 1024: the long row no longer fits (it fails again, alone); the others stay
+    out = invoke("run", "--engine", "fake", job)
+    assert out.exit_code == 0 and "running 1 stored row again" in out.output, out.output
+    assert dict(rows(db, "row_id", "status"))["r004"] == "failed"
