@@ -194,9 +194,20 @@ def run(job, overrides, limit, restart, retry_failed, wait, quiet, verbose, exec
     limit = spec.spec.output.max_failed_fraction
     if summary.failed_fraction > limit:
         left_out = f", {summary.rows_rejected:,} of them left out for null or repeated ids" if summary.rows_rejected else ""
+        share, allowed = _apart(summary.failed_fraction, limit)
         raise TooManyFailed(f"the run completed, but {summary.rows_not_ok:,} of the input's {summary.rows_judged:,} rows "
-                            f"({summary.failed_fraction:.1%}{left_out}) are not ok (output.max_failed_fraction: "
-                            f"{limit:.1%}); see: {_status_command(job, overrides)}")
+                            f"({share}{left_out}) are not ok (output.max_failed_fraction: {allowed}); "
+                            f"see: {_status_command(job, overrides)}")
+
+
+def _apart(share: float, limit: float) -> tuple[str, str]:
+    """Two shares as percentages with the decimals that tell them apart (10.0% over a limit of
+    9.99% read as over 10.0%)."""
+    for places in range(1, 6):
+        a, b = f"{share:.{places}%}", f"{limit:.{places}%}"
+        if a != b:
+            return a, b
+    return a, b
 
 
 def _status_command(job: str, overrides: tuple[str, ...]) -> str:

@@ -368,3 +368,11 @@ def test_a_file_of_another_format_read_as_parquet_is_said_so(make_job, tmp_path)
     (tmp_path / "data" / "docs.parquet").write_bytes(b"PAR1 cut off")  # named and begun as Parquet: corrupt
     out = CliRunner().invoke(cli, ["validate", str(job)])
     assert out.exit_code == 3 and ": corrupt Parquet file (" in out.output, out.output
+
+
+def test_the_failed_share_and_its_limit_are_written_so_that_they_differ():
+    """7 of 70 rows over a limit of 0.0999 read "(10.0%) are not ok (output.max_failed_fraction: 10.0%)"."""
+    from runner.cli import _apart
+
+    assert _apart(0.1, 0.0999) == ("10.00%", "9.99%")
+    assert _apart(5 / 7, 0.5) == ("71.4%", "50.0%")
