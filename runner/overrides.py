@@ -48,6 +48,8 @@ def _value(text: str) -> Any:
     structure the user did not write as one: `Note: be brief` and `{title}: {text}` stay text."""
     stripped = text.strip()
     try:
+        if _comment_dropped(text):  # ` #1 priority` reached us quoted from the shell: it is the user's text
+            return stripped
         value = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         # `[a, b` is a list with its end missing, not a stop string; `[INST] {text}` is text
@@ -59,6 +61,14 @@ def _value(text: str) -> Any:
             isinstance(value, dict) and not _is_flow_mapping(stripped, value):
         return text
     return value
+
+
+def _comment_dropped(text: str) -> bool:
+    """Whether YAML would read part of the value as a comment (`Reply in English #1 priority`,
+    `#1`): the shell passed it on, so the user quoted it, and it is text they meant."""
+    node = yaml.compose(text)
+    end = len(text.rstrip())
+    return end > 0 and (node is None or node.end_mark.index < end)
 
 
 def _is_flow_mapping(text: str, value: dict) -> bool:

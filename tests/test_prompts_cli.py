@@ -252,3 +252,17 @@ def test_an_error_names_limit_as_the_user_gave_it_and_limit_beside_set_input_lim
     result = invoke("run", "--engine", "fake", "--limit", "5", "--set", "input.limit=abc", job)
     assert result.exit_code == 2
     assert result.output.strip() == "Error: --limit and --set input.limit both give the input's limit: give one"
+
+
+def test_a_hash_in_a_set_value_is_the_user_s_text_not_a_yaml_comment():
+    """`--set 'prompts.system=Reply in English #1 priority'` set "Reply in English": YAML read the rest
+    as a comment (the shell had passed it on quoted, so the user meant it); `#1` alone set null."""
+    from runner.overrides import apply_overrides
+
+    got = apply_overrides({}, ["prompts.system=Reply in English #1 priority", "prompts.user_template=#1 {text}",
+                               "sampling.max_tokens=100 # tokens", "sampling.stop=[a, b] # two",
+                               "prompts.system_template=a#b {x}", "sampling.seed=7"])
+    assert got == {"prompts": {"system": "Reply in English #1 priority", "user_template": "#1 {text}",
+                               "system_template": "a#b {x}"},
+                   # not a number or a list, as written: validation names it, rather than dropping the rest
+                   "sampling": {"max_tokens": "100 # tokens", "stop": "[a, b] # two", "seed": 7}}
