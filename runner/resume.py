@@ -82,18 +82,19 @@ def renamed_from(store: Store, job: Job, scan: InputScan, fingerprint: str) -> O
 LENGTH_RULE = {"on_too_long", "engine.max_model_len"}  # what decides which rows are cut or too long, and no more
 
 
-def length_rule_changes(store: Store, job: Job, fingerprint: str, components: dict) -> tuple[list[str], int]:
-    """(the job's stored fingerprints that differ from this one in input.on_too_long or
-    engine.max_model_len alone, the longest prompt a row may have now: a row that fitted it whole
-    and was not cut was made as it would be now, its prompt and max_tokens within both lengths)."""
+def length_rule_changes(store: Store, job: Job, fingerprint: str, components: dict) -> list[tuple[str, int]]:
+    """(fingerprint, room) of each of the job's stored versions that differ from this one in
+    input.on_too_long or engine.max_model_len alone, with the longest prompt a row of it may have
+    to be kept: one that fitted it whole and was not cut was made as it would be now, its prompt and
+    max_tokens within both that version's length and this one's."""
     max_tokens = job.spec.sampling.max_tokens  # the same in both: sampling is not in LENGTH_RULE
-    fps, rooms = [], [job.engine.max_model_len - max_tokens]
+    room = job.engine.max_model_len - max_tokens
+    out = []
     for fp, old in store.fingerprint_components(job.name).items():
         old_length = (old.get("engine") or {}).get("max_model_len")
         if fp != fingerprint and set(changed_parts(old, components)) <= LENGTH_RULE and isinstance(old_length, int):
-            fps.append(fp)
-            rooms.append(old_length - max_tokens)  # a row too long then (failed, or cut) is run again
-    return fps, min(rooms)
+            out.append((fp, min(room, old_length - max_tokens)))  # too long then (failed, or cut): run again
+    return out
 
 
 def keep_rows_the_length_rule_does_not_touch(store: Store, job: Job, fingerprint: str, components: dict) -> int:
@@ -101,8 +102,8 @@ def keep_rows_the_length_rule_does_not_touch(store: Store, job: Job, fingerprint
     cannot change (their prompt fitted whole, and fits now) take the new fingerprint instead of
     running again; the rows it was applied to (cut, or failed as too long) run again. Returns how
     many were kept."""
-    fps, room = length_rule_changes(store, job, fingerprint, components)
-    return sum(store.adopt_uncut_rows(job.name, fp, fingerprint, room) for fp in fps)
+    return sum(store.adopt_uncut_rows(job.name, fp, fingerprint, room)
+               for fp, room in length_rule_changes(store, job, fingerprint, components))
 
 
 def shared_name(store: Store, job: Job, fingerprint: str) -> Optional[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import Sequence
 
 from runner.errors import StoreError
 from runner.store_history import CUT_SLACK_TOKENS, uncut_within
@@ -14,19 +15,18 @@ class InputRecords:
     """Store's methods that join the results table with an input's row ids."""
 
     def input_counts(self, job_name: str, ids_file: Path, fingerprint: str,
-                     adoptable: tuple[list[str], int] = ([], 0)) -> InputCounts:
+                     adoptable: Sequence[tuple[str, int]] = ()) -> InputCounts:
         """How many of the input's rows are stored: in all, by this version of the job (or before
         fingerprints), and ok (by any version). One pass, joined on disk with the input's row ids
-        (runner/row_ids.py): no set of a million ids in memory. adoptable: (fingerprints, most
-        room) of rows a run would keep (see adopt_uncut_rows), counted as this version's."""
-        fps, room = adoptable
-        also = f" OR (r.fingerprint IN ({', '.join('?' * len(fps))}) AND {uncut_within('r')})" if fps else ""
+        (runner/row_ids.py): no set of a million ids in memory. adoptable: (fingerprint, most room)
+        of the versions whose rows a run would keep (see adopt_uncut_rows), counted as this version's."""
+        also = "".join(f" OR (r.fingerprint = ? AND {uncut_within('r')})" for _ in adoptable)
         # a row --restart set aside is stored, but neither this version's nor ok: the next run redoes it
         q = (f"SELECT count(*), coalesce(sum((r.fingerprint = ? OR r.fingerprint IS NULL{also}) "
              "AND r.set_aside_at_utc IS NULL), 0), coalesce(sum(r.status = 'ok' AND r.set_aside_at_utc IS NULL), 0), "
              "coalesce(sum(r.set_aside_at_utc IS NOT NULL), 0) "
              "FROM scan.ids i JOIN results r ON r.job_name = ? AND r.row_id = i.id")
-        params = (fingerprint, *fps, room, CUT_SLACK_TOKENS) if fps else (fingerprint,)
+        params = (fingerprint, *(p for fp, room in adoptable for p in (fp, room, CUT_SLACK_TOKENS)))
         return InputCounts(*self._with_input_ids(ids_file, q, (*params, job_name))[0])
 
     def input_status_counts(self, job_name: str, ids_file: Path) -> dict[str, int]:

@@ -791,3 +791,23 @@ def test_a_changed_max_model_len_runs_again_only_the_rows_the_length_touched(mak
     out = invoke("run", "--engine", "fake", job)
     assert out.exit_code == 0 and "running 1 stored row again" in out.output, out.output
     assert dict(rows(db, "row_id", "status"))["r004"] == "failed"
+
+
+def test_each_older_version_keeps_its_rows_by_its_own_length(make_job, tmp_path):
+    """The room rows are kept by was the least of every length the job ever had: once run at 1024,
+    a later change of on_too_long alone at 2048 ran again rows made at 2048 that fitted 2048."""
+    from tests.conftest import write_docs
+
+    docs = write_docs(tmp_path / "data" / "long.parquet", 4)
+    t = pq.read_table(docs).to_pydict()
+    t["text"][2] = "word " * 300  # over 1024's room, within 2048's
+    pq.write_table(pa.table(t), docs)
+    job = make_job(docs=docs)
+    db = tmp_path / "out" / "results.sqlite"
+    assert invoke("run", "--engine", "fake", "--quiet", job).exit_code == 0  # at 1024: r002 too long
+    assert invoke("run", "--engine", "fake", "--quiet", "--set", "engine.max_model_len=2048", job).exit_code == 0
+    assert dict(rows(db, "row_id", "status"))["r002"] == "ok"
+    made = dict(rows(db, "row_id", "created_at_utc"))
+    out = invoke("run", "--engine", "fake", "--set", "engine.max_model_len=2048", "--set", "input.on_too_long=truncate", job)
+    assert out.exit_code == 0 and "4 stored rows that it does not change kept" in out.output, out.output
+    assert dict(rows(db, "row_id", "created_at_utc")) == made  # none ran again, r002 included
