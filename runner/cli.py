@@ -207,7 +207,7 @@ def _apart(share: float, limit: float) -> tuple[str, str]:
         a, b = f"{share:.{places}%}", f"{limit:.{places}%}"
         if a != b:
             return a, b
-    return a, b
+    return f"{share * 100!r}%", f"{limit * 100!r}%"
 
 
 def _status_command(job: str, overrides: tuple[str, ...]) -> str:

@@ -48,7 +48,8 @@ def flat_fields(schema: dict) -> dict[str, bool]:
     column). A root or a field given by a local `$ref` is read where it points (schema generators
     write `{"$ref": "#/$defs/Doc", "$defs": ...}`); `const` of a scalar is one; a field whose schema
     is `true` or `false` (any value; none) is not."""
-    top = _followed(schema, schema) if isinstance(schema, dict) else None
+    # a root that is only a `$ref` is read where it points; one with properties of its own, as given
+    top = _followed(schema, schema) if isinstance(schema, dict) and "properties" not in schema else schema
     if not isinstance(top, dict):
         return {}
     # an object schema (`"type": ["object"]` too); one that gives properties but no type (JSON

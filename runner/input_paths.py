@@ -169,8 +169,8 @@ def _globbed(path: str, literal: str) -> list[str]:
     root = max(_fixed_part(path), literal, key=len)
     named = {part[0] for part in Path(os.path.relpath(path, root)).parts if part.startswith(("_", "."))}
     pattern = os.path.join(glob.escape(literal), os.path.relpath(path, literal)) if literal else path
-    return _once(sorted(f for f in glob.glob(pattern, recursive=True)
-                        if os.path.isfile(f) and not _hidden(os.path.relpath(f, root), named)))
+    return _unlinked_first(sorted(f for f in glob.glob(pattern, recursive=True)
+                                  if os.path.isfile(f) and not _hidden(os.path.relpath(f, root), named)))
 
 
 def _hidden(relative: str, named: set[str] = frozenset()) -> bool:

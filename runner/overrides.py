@@ -66,6 +66,8 @@ def _value(text: str) -> Any:
 def _comment_dropped(text: str) -> bool:
     """Whether YAML would read part of the value as a comment (`Reply in English #1 priority`,
     `#1`): the shell passed it on, so the user quoted it, and it is text they meant."""
+    if "\n" in text.strip():  # a block of YAML (`|` and its lines): comment lines are YAML's there
+        return False
     node = yaml.compose(text)
     end = len(text.rstrip())
     return end > 0 and (node is None or node.end_mark.index < end)

@@ -376,3 +376,10 @@ def test_the_failed_share_and_its_limit_are_written_so_that_they_differ():
 
     assert _apart(0.1, 0.0999) == ("10.00%", "9.99%")
     assert _apart(5 / 7, 0.5) == ("71.4%", "50.0%")
+
+
+def test_shares_alike_to_five_decimals_are_still_written_apart():
+    from runner.cli import _apart
+
+    a, b = _apart(1 / 3, 0.3333333)
+    assert a != b and a.startswith("33.3333333") and b == "33.33333%"

@@ -423,3 +423,10 @@ def test_with_db_the_job_file_the_run_started_from_is_guarded_too(make_job, tmp_
     job.rename(tmp_path / "gone.yaml")  # the job file is no longer there: nothing to go by, the export is written
     out = CliRunner().invoke(cli, ["export", "1", "--db", str(db), "-o", str(tmp_path / "data" / "docs.parquet")])
     assert out.exit_code == 0, out.output
+
+
+def test_a_root_with_properties_of_its_own_beside_a_ref_keeps_them():
+    """Following a root `$ref` replaced the root: its own properties lost their columns."""
+    schema = {"type": "object", "$ref": "#/$defs/Base", "properties": {"a": {"type": "string"}, "n": {"type": "array"}},
+              "$defs": {"Base": {"type": "object", "properties": {"id": {"type": "string"}}}}}
+    assert export.flat_fields(schema) == {"a": True, "n": False}

@@ -435,3 +435,15 @@ def test_a_file_column_beside_spark_s_null_partition_must_be_null(tmp_path):
         list(iter_documents(str(tmp_path / "in"), spec, None))
     write_docs(tmp_path / "in2" / "city=__HIVE_DEFAULT_PARTITION__" / "p.parquet", 2, city=pa.array([None, None], pa.string()))
     assert [r.fields["city"] for r in iter_documents(str(tmp_path / "in2"), spec, None)] == ["", ""]
+
+
+def test_a_glob_leaves_a_linked_file_to_its_own_name_too(tmp_path):
+    """`in/**/*.parquet` read `latest.parquet -> year=2024/part-7.parquet` by the link's name (sorted
+    first), losing the year partition: "column 'year' not found"."""
+    write_docs(tmp_path / "in" / "year=2024" / "part-7.parquet", 2)
+    (tmp_path / "in" / "latest.parquet").symlink_to(tmp_path / "in" / "year=2024" / "part-7.parquet")
+    spec = SPEC.model_copy(update={"extra_columns": ["year"]})
+    assert [p.split("/in/", 1)[1] for p in input_files(str(tmp_path / "in" / "**" / "*.parquet"))] == [
+        "year=2024/part-7.parquet"]
+    assert [r.fields["year"] for r in iter_documents(str(tmp_path / "in" / "**" / "*.parquet"), spec, None)] == [
+        "2024", "2024"]

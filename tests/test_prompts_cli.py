@@ -266,3 +266,9 @@ def test_a_hash_in_a_set_value_is_the_user_s_text_not_a_yaml_comment():
                                "system_template": "a#b {x}"},
                    # not a number or a list, as written: validation names it, rather than dropping the rest
                    "sampling": {"max_tokens": "100 # tokens", "stop": "[a, b] # two", "seed": 7}}
+
+
+def test_a_block_of_yaml_given_with_set_keeps_yaml_s_own_comment_lines():
+    from runner.overrides import apply_overrides
+
+    assert apply_overrides({}, ["prompts.system=|\n  line\n# a comment\n"]) == {"prompts": {"system": "line\n"}}
