@@ -124,6 +124,20 @@ def _fits(read_as, field: str) -> bool:
     return text or (field == "input.id_column" and pa.types.is_integer(read_as))
 
 
+def first_keys(file: str) -> set[str]:
+    """The keys of the file's first block as pyarrow reads it (none where it cannot: the read
+    that follows names the problem)."""
+    import pyarrow.json as pj
+
+    try:
+        reader = pj.open_json(file)
+        keys = set(reader.schema.names)
+        reader.close()
+        return keys
+    except Exception:  # noqa: BLE001 - an empty or broken file: batches() says what is wrong
+        return set()
+
+
 def _holds_struct(t) -> bool:
     """Whether an Arrow type is, or holds at any depth, a struct (a JSON object)."""
     import pyarrow as pa

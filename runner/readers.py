@@ -128,17 +128,22 @@ class LocalReader(Reader):
         """JSON Lines (json_lines.py) or CSV (pyarrow.dataset), a batch at a time."""
         import pyarrow.dataset as ds
 
-        present = [c for c in columns if c not in partition]
         fields = dict(self.spec.columns())
         try:
             if fmt == "jsonl":
+                # a column also in the folder's name is read too, where the file has it: its values
+                # must agree with the folder's (_with_partition), as in Parquet
+                own = json_lines.first_keys(file) if partition else set()
+                present = [c for c in columns if c not in partition or c in own]
                 yield from json_lines.batches(file, [(c, fields[c]) for c in present], self.spec.batch_rows,
                                               lambda keys: self._check_columns(file, keys, partition))
                 return
 
             def read(block: int):  # CSV in blocks of this size (Resumable grows them for a long row)
                 data = ds.dataset(file, format=ds.CsvFileFormat(**csv_options(self.spec, block)))
-                self._check_columns(file, set(data.schema.names), partition)
+                names = set(data.schema.names)
+                self._check_columns(file, names, partition)
+                present = [c for c in columns if c not in partition or c in names]  # as for JSON Lines
                 return data.to_batches(columns=present, batch_size=self.spec.batch_rows)
 
             if _blank(file):  # no header, no rows: an empty file, as an empty JSON Lines file is

@@ -447,3 +447,24 @@ def test_a_glob_leaves_a_linked_file_to_its_own_name_too(tmp_path):
         "year=2024/part-7.parquet"]
     assert [r.fields["year"] for r in iter_documents(str(tmp_path / "in" / "**" / "*.parquet"), spec, None)] == [
         "2024", "2024"]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_a_text_file_s_own_column_must_agree_with_its_folder_s_name_as_parquet_s_must(tmp_path, fmt):
+    """For JSON Lines and CSV the folder's value replaced the file's own without a word ("en-GB"
+    read as "en"); Parquet's were checked."""
+    folder = tmp_path / "data" / "lang=en"
+    folder.mkdir(parents=True)
+    rows = [{"id": "1", "text": "t", "system_prompt": "s", "lang": "en-GB"}]
+    if fmt == "jsonl":
+        (folder / "a.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    else:
+        (folder / "a.csv").write_text("id,text,system_prompt,lang\n1,t,s,en-GB\n")
+    spec = SPEC.model_copy(update={"extra_columns": ["lang"]})
+    for path in (tmp_path / "data", tmp_path / "data" / "*" / f"*.{fmt}"):
+        with pytest.raises(InputError, match="holds 'en-GB' where its folder's name says lang=en"):
+            list(iter_documents(str(path), spec, None))
+    # a file without the column (as Spark writes them): the folder's value
+    (folder / f"a.{fmt}").write_text('{"id": "1", "text": "t", "system_prompt": "s"}\n' if fmt == "jsonl"
+                                     else "id,text,system_prompt\n1,t,s\n")
+    assert [r.fields["lang"] for r in iter_documents(str(tmp_path / "data"), spec, None)] == ["en"]
