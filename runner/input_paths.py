@@ -49,7 +49,7 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     unless the glob names such a part itself (data/_2024_*.parquet); linked folders are followed,
     each file read once."""
     endings = _accepted_endings(declared)
-    if any(ch in path for ch in "*?[") and not os.path.exists(path):  # a file named lit[1].jsonl is that file
+    if _is_glob(path):
         literal = _existing_folder(path)  # `[x]` in the job's own folder is not a pattern...
         files = _globbed(path, literal)
         if not files and any(ch in os.path.basename(literal) for ch in "*?["):
@@ -69,10 +69,16 @@ def input_files(path: str, declared: Optional[str] = None) -> list[str]:
     return files
 
 
+def _is_glob(path: str) -> bool:
+    """Whether the input path is read as a glob: it has a wildcard, and no file or folder has its
+    name as written (a file named lit[1].jsonl is that file)."""
+    return any(ch in path for ch in "*?[") and not os.path.exists(path)
+
+
 def partition_root(path: str) -> Optional[str]:
     """The folder below which `key=value` folder names are hive partitions: the input folder, or a
     glob's fixed part (its leading folder as input_files reads it); None for a file named outright."""
-    if any(ch in path for ch in "*?[") and not os.path.exists(path):
+    if _is_glob(path):
         return max(_fixed_part(path), _existing_folder(path), key=len)
     return path if os.path.isdir(path) else None
 
@@ -83,7 +89,7 @@ def would_read(target: str, path: str, declared: Optional[str] = None) -> bool:
     (linked folders too) under a name that is not hidden, or matched by the glob as input_files
     matches it (its existing leading folder taken as written), whatever its ending: a glob reads
     every file it names (`data/*` would then fail on a report.html)."""
-    if any(ch in path for ch in "*?[") and not os.path.exists(path):
+    if _is_glob(path):
         literal = _existing_folder(path)
         return _glob_names(target, path, literal) or (
             any(ch in os.path.basename(literal) for ch in "*?[") and _glob_names(target, path, os.path.dirname(literal)))

@@ -108,8 +108,7 @@ class LocalReader(Reader):
             pf = self._open(file, columns)
             names = set(pf.schema_arrow.names)
             self._check_columns(file, names, partition)
-            # a column also in the folder's name is read too: its values must agree (_with_partition)
-            present = [c for c in columns if c not in partition or c in names]
+            present = _own_columns(columns, partition, names)
             for rg in range(pf.num_row_groups):
                 yield from pf.iter_batches(batch_size=self.spec.batch_rows, row_groups=[rg], columns=present)
         elif fmt == "openai-batch":
@@ -131,10 +130,7 @@ class LocalReader(Reader):
         fields = dict(self.spec.columns())
         try:
             if fmt == "jsonl":
-                # a column also in the folder's name is read too, where the file has it: its values
-                # must agree with the folder's (_with_partition), as in Parquet
-                own = json_lines.first_keys(file) if partition else set()
-                present = [c for c in columns if c not in partition or c in own]
+                present = _own_columns(columns, partition, json_lines.first_keys(file) if partition else set())
                 yield from json_lines.batches(file, [(c, fields[c]) for c in present], self.spec.batch_rows,
                                               lambda keys: self._check_columns(file, keys, partition))
                 return
@@ -143,7 +139,7 @@ class LocalReader(Reader):
                 data = ds.dataset(file, format=ds.CsvFileFormat(**csv_options(self.spec, block)))
                 names = set(data.schema.names)
                 self._check_columns(file, names, partition)
-                present = [c for c in columns if c not in partition or c in names]  # as for JSON Lines
+                present = _own_columns(columns, partition, names)
                 return data.to_batches(columns=present, batch_size=self.spec.batch_rows)
 
             if _blank(file):  # no header, no rows: an empty file, as an empty JSON Lines file is
@@ -206,6 +202,12 @@ def csv_options(spec: InputSpec, block_bytes: Optional[int] = None) -> dict:
     blocks = {} if block_bytes is None else {"read_options": pcsv.ReadOptions(block_size=block_bytes)}
     return dict(parse_options=pcsv.ParseOptions(newlines_in_values=True),
                 convert_options=pcsv.ConvertOptions(column_types=text, strings_can_be_null=True, null_values=[""]), **blocks)
+
+
+def _own_columns(columns: list[str], partition: dict, names: set[str]) -> list[str]:
+    """The job's columns to read from a file holding `names`: a column also in the folder's name is
+    read too where the file has it, so that its values are checked against the folder's (_with_partition)."""
+    return [c for c in columns if c not in partition or c in names]
 
 
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # the folder name Hive and Spark write for a null partition value
